@@ -1,0 +1,38 @@
+"""camviz: see what a PyTorch vision model looks at.
+
+The public API, importable as ``camviz.NAME``. Submodules load on first use, so that
+``import camviz`` (and ``camviz --help``) does not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# Public name -> "module:attribute". One table, read by __getattr__ and __dir__.
+_EXPORTS = {
+    "CamvizError": "camviz.errors:CamvizError",
+    "capture": "camviz.hooks:capture",
+    "edit": "camviz.hooks:edit",
+    "explain": "camviz.cams.engine:explain",
+    "Explanation": "camviz.cams.engine:Explanation",
+    "TopK": "camviz.targets:TopK",
+}
+
+__all__ = [*sorted(_EXPORTS), "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        module, attribute = _EXPORTS[name].split(":")
+        return getattr(importlib.import_module(module), attribute)
+    try:
+        return importlib.import_module(f"camviz.{name}")
+    except ModuleNotFoundError:
+        raise AttributeError(f"module 'camviz' has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return __all__

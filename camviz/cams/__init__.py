@@ -1,0 +1,24 @@
+"""CAM methods, one short module each, found by name in one registry.
+
+>>> camviz.cams.names()
+['gradcam', ...]
+>>> camviz.cams.get("gradcam")
+<class 'camviz.cams.gradcam.GradCAM'>
+"""
+
+from camviz.cams import gradcam  # noqa: F401 - importing a method module registers it
+from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.engine import Explanation, explain, layer_pass
+from camviz.cams.registry import get, names, register, table
+
+__all__ = [
+    "CamMethod",
+    "Explanation",
+    "LayerData",
+    "explain",
+    "get",
+    "layer_pass",
+    "names",
+    "register",
+    "table",
+]

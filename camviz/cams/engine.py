@@ -1,0 +1,327 @@
+"""The engine: one forward pass, exactly the gradients a method needs, then post-processing.
+
+How the gradient ``dy/dA`` at a target layer is obtained, and why this way:
+
+1. The model runs under ``torch.no_grad()``: the part of the network *before* the target
+   layer keeps no autograd graph at all, so memory stays that of plain inference.
+2. A forward hook on the target layer (an :func:`camviz.hooks.edit`) copies the output
+   ``A``, switches grad mode on, and hands the rest of the network ``A + delta`` where
+   ``delta`` is a zero tensor that requires grad. From there on autograd records the graph.
+3. ``torch.autograd.grad(y.sum(), delta)`` gives ``dy/d(A + delta) = dy/dA`` - for every
+   sample at once, because in eval mode samples do not interact. Only the graph after the
+   layer is walked; no parameter ``.grad`` is written and none is computed.
+
+Because the rest of the network sees a *new* tensor, in-place operations after the layer
+(``ReLU(inplace=True)``, ResNet's ``out += identity`` right after ``layer4.1.bn2``) change
+neither the recorded activations nor the gradient. Hooks built on
+``register_full_backward_hook`` fail there, and hooks on the original output tensor record
+the overwritten values; both give wrong maps on ResNet's ``bn2`` layers.
+
+With several target layers each gets its own ``delta``; a later layer's output still
+depends on the earlier ``delta``, so every gradient stays exact.
+
+Whatever happens, the model comes back as it was: hooks removed, every module's
+train/eval flag restored, ``requires_grad`` and ``.grad`` never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the conventional name
+from torch import nn
+
+from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.registry import get
+from camviz.errors import CamvizError
+from camviz.hooks import detach_to, edit
+from camviz.layers import default_target_layer, resolve_layers
+from camviz.modelstate import eval_mode
+from camviz.targets import ScoreFn, Target, score_fns
+
+Fuse = Literal["mean", "max"]
+
+
+@dataclass
+class Explanation:
+    """The result of :func:`explain`. ``M = N * K`` maps for ``N`` inputs and ``K`` ranks.
+
+    Attributes:
+        heatmaps: ``(M, H, W)`` float maps in ``[0, 1]`` at the input's size.
+        layer_maps: ``(M, h, w)`` maps at the (first) target layer's resolution, after ReLU
+            and per-map min-max normalisation; an all-zero map stays zero.
+        maps_by_layer: ``{layer: (M, h, w)}`` for every target layer.
+        targets: ``(M,)`` explained class ids (``-1`` when the target was a callable).
+        scores: ``(M,)`` explained scores (logits) from the forward pass.
+        samples: ``(M,)`` index of the input each map belongs to.
+        output: The model's output for the batch, detached.
+        method: The method's registry name.
+        layers: The target layer names.
+    """
+
+    heatmaps: torch.Tensor
+    layer_maps: torch.Tensor
+    maps_by_layer: dict[str, torch.Tensor]
+    targets: torch.Tensor
+    scores: torch.Tensor
+    samples: torch.Tensor
+    output: Any
+    method: str
+    layers: list[str]
+
+
+@dataclass
+class LayerPass:
+    """What one forward (and backward) pass recorded at the target layers.
+
+    Attributes:
+        output: The model output (with a graph after the target layers if gradients were
+            asked for).
+        activations: ``{layer: A}``, ``(N, ...)`` copies of each layer's output.
+        gradients: ``{layer: [dy_k/dA for each rank k]}``; empty without gradients.
+        scores: ``(N, K)`` explained scores.
+        score_fns: One function per rank from a model output to ``(N,)`` scores.
+        class_ids: ``(N, K)`` explained classes, or ``None`` for a callable target.
+    """
+
+    output: Any
+    activations: dict[str, torch.Tensor]
+    gradients: dict[str, list[torch.Tensor]]
+    scores: torch.Tensor
+    score_fns: list[ScoreFn]
+    class_ids: torch.Tensor | None
+
+
+class _Tap:
+    """The forward-hook edit on one target layer (see the module docstring, step 2)."""
+
+    def __init__(self, name: str, open_gradient_path: bool) -> None:
+        self.name = name
+        self.open_gradient_path = open_gradient_path
+        self.activation: torch.Tensor | None = None
+        self.delta: torch.Tensor | None = None
+
+    def __call__(self, output: Any) -> Any:
+        if not isinstance(output, torch.Tensor):
+            raise CamvizError(
+                f"layer {self.name!r} returns a {type(output).__name__}, not a tensor; "
+                "pick a layer that outputs a feature map"
+            )
+        if self.activation is not None:
+            raise CamvizError(
+                f"layer {self.name!r} runs more than once in one forward pass (a shared "
+                "module); pick a layer that runs once"
+            )
+        self.activation = output.detach().clone()
+        if not self.open_gradient_path:
+            return output
+        torch.set_grad_enabled(True)  # undone when the caller's no_grad block ends
+        self.delta = torch.zeros_like(output, requires_grad=True)
+        return output + self.delta
+
+
+def layer_pass(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    layers: Sequence[str],
+    target: Target = None,
+    *,
+    gradients: bool = True,
+    output_key: str | int | None = None,
+) -> LayerPass:
+    """Run the model once and record activations (and exact gradients) at ``layers``.
+
+    The building block under every method: :func:`explain` calls it once, and methods
+    that average over noisy or augmented inputs call it once per variant. The model must
+    already be in the mode wanted (``explain`` puts it in eval mode).
+    """
+    taps = {name: _Tap(name, gradients) for name in layers}
+    with edit(model, taps), torch.no_grad():
+        output = model(inputs)
+    for tap in taps.values():
+        if tap.activation is None:
+            raise CamvizError(
+                f"layer {tap.name!r} did not run in the forward pass; pick a layer that the "
+                "model uses (`camviz layers` lists them with shapes)"
+            )
+    fns, ids = score_fns(target, output, output_key)
+    per_rank: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if gradients else {}
+    scores = []
+    with torch.enable_grad():
+        for rank, score_fn in enumerate(fns):
+            score = score_fn(output)
+            _check_scores(score, inputs.shape[0])
+            scores.append(score.detach())
+            if not gradients:
+                continue
+            if not score.requires_grad:
+                raise CamvizError(
+                    f"the explained score does not depend on layer(s) {', '.join(layers)}; "
+                    "pick a layer before the model's output"
+                )
+            deltas = [taps[name].delta for name in layers]
+            grads = torch.autograd.grad(
+                score.sum(), deltas, retain_graph=rank < len(fns) - 1, allow_unused=True
+            )
+            for name, delta, grad in zip(layers, deltas, grads, strict=True):
+                per_rank[name].append(torch.zeros_like(delta) if grad is None else grad)
+    return LayerPass(
+        output=detach_to(output, None),
+        activations={name: tap.activation for name, tap in taps.items()},
+        gradients=per_rank,
+        scores=torch.stack(scores, dim=1),
+        score_fns=fns,
+        class_ids=ids,
+    )
+
+
+def explain(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    method: str | CamMethod = "gradcam",
+    layer: str | Sequence[str] | None = None,
+    target: Target = None,
+    *,
+    output_key: str | int | None = None,
+    fuse: Fuse = "mean",
+    **options: Any,
+) -> Explanation:
+    """Explain a batch with a CAM method.
+
+    Args:
+        model: Any ``nn.Module`` classifier (or a model with a ``target`` callable). It is
+            used in eval mode for the call and handed back exactly as it came.
+        inputs: ``(N, C, H, W)`` batch, or one ``(C, H, W)`` image, already preprocessed.
+            Moved to the model's device.
+        method: A registry name (:func:`camviz.cams.names`) or a method instance.
+        layer: Target layer name(s) or wildcard pattern(s). ``None`` picks the last layer
+            with a spatial output (found once per model with a one-sample dry run).
+        target: What to explain; see :mod:`camviz.targets` (class id, list of ids, ``None``
+            for top-1, ``"top3"``, or a callable ``output -> (N,) scores``).
+        output_key: For models whose output is a tuple or dict: where the logits are.
+        fuse: How maps of several layers combine (``"mean"`` or ``"max"``).
+        **options: Passed to the method's constructor (e.g. ``batch_size``).
+
+    Returns:
+        An :class:`Explanation`.
+
+    Raises:
+        CamvizError: A bad layer name, target, input shape or method name.
+    """
+    cam = get(method)(**options) if isinstance(method, str) else method
+    if fuse not in ("mean", "max"):
+        raise CamvizError(f"fuse must be 'mean' or 'max', not {fuse!r}")
+    inputs = _as_batch(inputs, model)
+    with eval_mode(model):
+        layers = _target_layers(model, inputs, layer)
+        recorded = layer_pass(
+            model, inputs, layers, target, gradients=cam.uses_gradients, output_key=output_key
+        )
+        maps_by_layer = _layer_maps(cam, model, inputs, recorded)
+    size = inputs.shape[-2:]
+    upsampled = [upsample(maps, size) for maps in maps_by_layer.values()]
+    fused = torch.stack(upsampled).amax(0) if fuse == "max" else torch.stack(upsampled).mean(0)
+    batch, ranks = recorded.scores.shape
+    ids = recorded.class_ids
+    return Explanation(
+        heatmaps=normalize(fused) if len(upsampled) > 1 else fused,
+        layer_maps=maps_by_layer[layers[0]],
+        maps_by_layer=maps_by_layer,
+        targets=(ids if ids is not None else torch.full((batch, ranks), -1)).reshape(-1).cpu(),
+        scores=recorded.scores.reshape(-1),
+        samples=torch.arange(batch).repeat_interleave(ranks),
+        output=recorded.output,
+        method=cam.name,
+        layers=list(layers),
+    )
+
+
+def _layer_maps(
+    cam: CamMethod, model: nn.Module, inputs: torch.Tensor, recorded: LayerPass
+) -> dict[str, torch.Tensor]:
+    """Each layer's ``(N * K, h, w)`` maps, sample-major, after ReLU and normalisation."""
+    maps_by_layer = {}
+    ranks = len(recorded.score_fns)
+    for name, activations in recorded.activations.items():
+        activations = as_spatial(activations, name)
+        per_rank = []
+        for rank, score_fn in enumerate(recorded.score_fns):
+            gradients = recorded.gradients[name][rank] if recorded.gradients else None
+            data = LayerData(
+                layer=name,
+                activations=activations,
+                gradients=None if gradients is None else as_spatial(gradients, name),
+                model=model,
+                inputs=inputs,
+                score=score_fn,
+                class_ids=None if recorded.class_ids is None else recorded.class_ids[:, rank],
+            )
+            with torch.no_grad():
+                per_rank.append(cam.layer_map(data))
+        maps = torch.stack(per_rank, dim=1).flatten(0, 1) if ranks > 1 else per_rank[0]
+        maps_by_layer[name] = normalize(torch.relu(maps))
+    return maps_by_layer
+
+
+def as_spatial(tensor: torch.Tensor, layer: str) -> torch.Tensor:
+    """A layer output as an ``(N, C, h, w)`` map."""
+    if tensor.dim() != 4:
+        raise CamvizError(
+            f"layer {layer!r} outputs shape {tuple(tensor.shape)}, not a (N, C, H, W) feature "
+            "map; pick a convolutional layer"
+        )
+    return tensor
+
+
+def normalize(maps: torch.Tensor) -> torch.Tensor:
+    """Min-max normalise each ``(h, w)`` map to ``[0, 1]``; a constant map becomes zeros."""
+    flat = maps.flatten(1)
+    low = flat.amin(dim=1, keepdim=True)
+    span = flat.amax(dim=1, keepdim=True) - low
+    scaled = torch.where(span > 0, (flat - low) / span.clamp_min(torch.finfo(flat.dtype).tiny), 0)
+    return scaled.view_as(maps)
+
+
+def upsample(maps: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+    """Bilinear resize of ``(M, h, w)`` maps to ``size``; stays within the input's range."""
+    if tuple(maps.shape[-2:]) == tuple(size):
+        return maps
+    return F.interpolate(maps.unsqueeze(1), size=tuple(size), mode="bilinear", align_corners=False)[
+        :, 0
+    ]
+
+
+def _target_layers(
+    model: nn.Module, inputs: torch.Tensor, layer: str | Sequence[str] | None
+) -> list[str]:
+    if layer is None:
+        return [default_target_layer(model, inputs)]
+    return list(resolve_layers(model, layer))
+
+
+def _as_batch(inputs: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    if not isinstance(inputs, torch.Tensor):
+        raise CamvizError(
+            f"inputs must be a tensor, not {type(inputs).__name__}; preprocess images first "
+            "(camviz.images.load_batch)"
+        )
+    if inputs.dim() == 3:
+        inputs = inputs.unsqueeze(0)
+    if inputs.dim() != 4 or not inputs.is_floating_point():
+        raise CamvizError(
+            f"inputs must be a float (N, C, H, W) batch or one (C, H, W) image, got "
+            f"{inputs.dtype} of shape {tuple(inputs.shape)}"
+        )
+    parameter = next(model.parameters(), None)
+    return inputs.to(parameter.device) if parameter is not None else inputs
+
+
+def _check_scores(score: torch.Tensor, batch: int) -> None:
+    if not isinstance(score, torch.Tensor) or score.shape != (batch,):
+        shape = tuple(score.shape) if isinstance(score, torch.Tensor) else type(score).__name__
+        raise CamvizError(
+            f"a target callable must return one score per sample, shape ({batch},), got {shape}"
+        )

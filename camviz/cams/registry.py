@@ -1,0 +1,48 @@
+"""The one table of CAM methods, by name.
+
+The CLI's ``--method`` choices, :func:`camviz.explain`'s ``method=``, the README's table
+and the tests' parametrisation all read this registry, so a method added here is everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, TypeVar
+
+from camviz.errors import CamvizError
+
+if TYPE_CHECKING:
+    from camviz.cams.base import CamMethod
+
+_METHODS: dict[str, type[CamMethod]] = {}
+
+M = TypeVar("M", bound="type[CamMethod]")
+
+
+def register(cls: M) -> M:
+    """Class decorator: add a :class:`~camviz.cams.base.CamMethod` under ``cls.name``."""
+    if cls.name in _METHODS:
+        raise ValueError(f"a CAM method named {cls.name!r} is already registered")
+    _METHODS[cls.name] = cls
+    return cls
+
+
+def get(name: str) -> type[CamMethod]:
+    """The method class registered as ``name`` (case and ``-``/``_`` are ignored)."""
+    key = name.lower().replace("-", "").replace("_", "")
+    for registered, cls in _METHODS.items():
+        if registered.replace("-", "").replace("_", "") == key:
+            return cls
+    raise CamvizError(f"unknown CAM method {name!r}; choose one of: {', '.join(names())}")
+
+
+def names() -> list[str]:
+    """Every registered method name, in registration order."""
+    return list(_METHODS)
+
+
+def table() -> str:
+    """A Markdown table of the methods: name, what it needs, paper."""
+    rows = ["| method | needs | paper |", "| --- | --- | --- |"]
+    for name, cls in _METHODS.items():
+        rows.append(f"| `{name}` | {cls.needs} | {cls.paper} |")
+    return "\n".join(rows)

@@ -1,0 +1,119 @@
+"""Turn layer names and patterns into modules, and pick a target layer when none is given.
+
+Names are those of ``model.named_modules()`` (``"layer4"``, ``"layer4.1.bn2"``,
+``"features.8"``). Patterns use shell wildcards (``"layer*.0.conv1"``). An unknown name is a
+:class:`~camviz.errors.CamvizError` that lists the closest real names.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import weakref
+from collections.abc import Iterable, Sequence
+from functools import partial
+
+import torch
+from torch import nn
+
+from camviz.errors import CamvizError
+from camviz.modelstate import HookSet, eval_mode
+
+_WILDCARDS = frozenset("*?[")
+
+
+def layer_names(model: nn.Module) -> list[str]:
+    """All named submodules of ``model`` in definition order (the root itself excluded)."""
+    return [name for name, _ in model.named_modules() if name]
+
+
+def resolve_layers(model: nn.Module, names: str | Iterable[str]) -> dict[str, nn.Module]:
+    """Map names or wildcard patterns to the modules they denote, keeping the given order.
+
+    Args:
+        model: The network whose submodules are looked up.
+        names: One name or several; each may be a pattern such as ``"layer*.0.conv1"``.
+
+    Returns:
+        An ordered ``{name: module}`` dict without duplicates.
+
+    Raises:
+        CamvizError: A name matches nothing; the message suggests the closest names.
+    """
+    if isinstance(names, str):
+        names = [names]
+    modules = dict(model.named_modules())
+    modules.pop("", None)
+    resolved: dict[str, nn.Module] = {}
+    for name in names:
+        if _WILDCARDS.intersection(name):
+            matches = [candidate for candidate in modules if fnmatch.fnmatchcase(candidate, name)]
+        else:
+            matches = [name] if name in modules else []
+        if not matches:
+            raise CamvizError(_unknown_layer_message(name, list(modules)))
+        for match in matches:
+            resolved[match] = modules[match]
+    if not resolved:
+        raise CamvizError("no layer was named; give at least one layer name")
+    return resolved
+
+
+def _unknown_layer_message(name: str, candidates: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=5, cutoff=0.5)
+    if not close:
+        # Fall back to names that share the last component ("conv1" -> "layer1.0.conv1").
+        tail = name.rsplit(".", 1)[-1]
+        close = [candidate for candidate in candidates if candidate.endswith(tail)][:5]
+    hint = (
+        f"did you mean {', '.join(repr(c) for c in close)}?"
+        if close
+        else ("run `camviz layers --model NAME` to list the layers")
+    )
+    return f"no layer named {name!r} in the model; {hint}"
+
+
+# Default layers are found with one dry run; remember them per model and input rank so
+# that a loop over batches pays for that run once.
+_default_cache: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
+def default_target_layer(model: nn.Module, inputs: torch.Tensor) -> str:
+    """The last layer, in call order, whose output is a spatial map.
+
+    One dry forward pass on the first sample records every module's output. A spatial map
+    is a 4-D ``(N, C, H, W)`` tensor with ``H * W > 1``; for transformers, whose blocks emit
+    ``(N, tokens, C)``, the last block's output counts when no 4-D map follows it. Containers
+    fire after their children, so for a ResNet the answer is ``layer4`` rather than its last
+    ReLU. The model's train/eval modes are left as they were.
+
+    Raises:
+        CamvizError: No layer produces a spatial output.
+    """
+    per_model = _default_cache.setdefault(model, {})
+    if inputs.dim() in per_model:
+        return per_model[inputs.dim()]
+    spatial: list[str] = []
+    tokens: list[str] = []
+
+    def record(name: str, module: nn.Module, args: object, output: object) -> None:
+        if not isinstance(output, torch.Tensor):
+            return
+        if output.dim() == 4 and output.shape[-1] * output.shape[-2] > 1:
+            spatial.append(name)
+        elif output.dim() == 3 and output.shape[1] > 1:
+            tokens.append(name)
+
+    with HookSet() as hooks, torch.inference_mode(), eval_mode(model):
+        for name, module in model.named_modules():
+            if name:
+                hooks.add(module.register_forward_hook(partial(record, name)))
+        model(inputs[:1])
+    found = spatial[-1] if spatial else (tokens[-1] if tokens else None)
+    if found is None:
+        raise CamvizError(
+            "could not find a layer with a spatial output to explain; pass layer=NAME "
+            "(`camviz layers --model NAME` lists them)"
+        )
+    per_model[inputs.dim()] = found
+    return found

@@ -1,0 +1,61 @@
+"""Leave the model as it came: hook handles that always come off, and modes that come back.
+
+Everything in camviz that touches a model goes through these two context managers, so the
+promise "no hook left behind, same train/eval flags" is kept in one place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+
+class HookSet:
+    """Hook handles registered together and removed together, on errors too.
+
+    Example:
+        >>> with HookSet() as hooks:
+        ...     hooks.add(model.fc.register_forward_hook(fn))
+        ...     model(x)
+    """
+
+    def __init__(self) -> None:
+        self._handles: list[RemovableHandle] = []
+
+    def add(self, handle: RemovableHandle) -> RemovableHandle:
+        """Keep ``handle`` so that :meth:`remove` takes its hook off."""
+        self._handles.append(handle)
+        return handle
+
+    def remove(self) -> None:
+        """Take off every hook added so far (safe to call twice)."""
+        while self._handles:
+            self._handles.pop().remove()
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def __enter__(self) -> HookSet:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.remove()
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Put every submodule in eval mode for the block, then restore each one's own flag.
+
+    ``model.train(previous)`` would not do: a model may mix modes (frozen BatchNorm layers
+    in eval inside a model in train mode), and those must come back unchanged.
+    """
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training
