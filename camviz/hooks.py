@@ -130,6 +130,7 @@ def capture(
     layers: str | Iterable[str],
     *,
     gradients: bool = False,
+    inputs: bool = True,
     backward: Backward = "tensor",
     device: torch.device | str | None = None,
     keep: Keep = "last",
@@ -142,6 +143,7 @@ def capture(
         layers: Layer names as in ``model.named_modules()``; wildcards like ``"layer*"``.
         gradients: Also record ``d(quantity)/d(output)`` when the block calls ``backward``
             (or ``torch.autograd.grad``) on something that depends on the layer.
+        inputs: Also record each layer's positional input (``False`` saves the copies).
         backward: How gradients are caught. ``"tensor"`` (default) registers a hook on each
             output tensor; it is exact when the output is later changed in place.
             ``"full"`` uses ``register_full_backward_hook`` as PyTorch offers it; PyTorch
@@ -184,7 +186,8 @@ def capture(
 
     with HookSet() as hooks, _explain_inplace_error():
         for name, module in modules.items():
-            hooks.add(module.register_forward_pre_hook(partial(on_input, name)))
+            if inputs:
+                hooks.add(module.register_forward_pre_hook(partial(on_input, name)))
             hooks.add(module.register_forward_hook(partial(on_output, name)))
             if gradients and backward == "full":
                 hooks.add(module.register_full_backward_hook(partial(on_full_backward, name)))
@@ -238,7 +241,7 @@ def _explain_inplace_error() -> Iterator[None]:
     try:
         yield
     except RuntimeError as error:
-        if "BackwardHookFunctionBackward" not in str(error):
+        if "BackwardHookFunction" not in str(error):
             raise
         raise CamvizError(
             "a full backward hook cannot watch a layer whose output is later changed in "

@@ -117,3 +117,23 @@ def default_target_layer(model: nn.Module, inputs: torch.Tensor) -> str:
         )
     per_model[inputs.dim()] = found
     return found
+
+
+def layer_shapes(model: nn.Module, inputs: torch.Tensor) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(name, type, output shape)`` of every layer, in call order, from one dry run.
+
+    A layer called several times appears once per call. Outputs that are not tensors show
+    the shape ``()``. The model's train/eval flags are left as they were.
+    """
+    rows: list[tuple[str, str, tuple[int, ...]]] = []
+
+    def record(name: str, module: nn.Module, args: object, output: object) -> None:
+        shape = tuple(output.shape) if isinstance(output, torch.Tensor) else ()
+        rows.append((name, type(module).__name__, shape))
+
+    with HookSet() as hooks, torch.inference_mode(), eval_mode(model):
+        for name, module in model.named_modules():
+            if name:
+                hooks.add(module.register_forward_hook(partial(record, name)))
+        model(inputs)
+    return rows

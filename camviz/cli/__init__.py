@@ -1,0 +1,48 @@
+"""The ``camviz`` command line.
+
+Each subcommand is a module of this package with ``add_parser(subparsers)`` and
+``run(args) -> int``; :data:`SUBCOMMANDS` lists them in the order ``--help`` shows them.
+Subcommands only parse arguments and call the Python API, and they import torch inside
+``run``, so that ``camviz --help`` answers at once.
+
+A :class:`~camviz.errors.CamvizError` (a user mistake) is printed as one line on stderr
+with exit status 1; argument errors exit with 2, as argparse does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from camviz import __version__
+from camviz.errors import CamvizError
+
+SUBCOMMANDS = ("explain", "layers", "methods", "features", "inspect")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="camviz",
+        description="See what a PyTorch vision model looks at.",
+    )
+    parser.add_argument("--version", action="version", version=f"camviz {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"camviz.cli.{name}").add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except CamvizError as error:
+        print(f"camviz: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("camviz: interrupted", file=sys.stderr)
+        return 130
