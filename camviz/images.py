@@ -1,0 +1,314 @@
+"""Read images of any common kind, keep the original for the overlay, and preprocess them.
+
+:func:`load_image` turns a file into an 8-bit RGB :class:`PIL.Image.Image`, whatever its mode:
+
+* **Orientation.** The EXIF orientation tag is applied, so a phone photo comes out the way
+  it is shown, and the heatmap lines up with what the user sees.
+* **Transparency** (RGBA, LA, palette or RGB with a transparent colour) is composited onto
+  white. Dropping the alpha channel instead would hand the model whatever colours hide
+  under transparent pixels (often black, sometimes leftovers of an edit) - pixels the user
+  never sees, but the classifier does, and the overlay would then explain an image nobody
+  looked at. White is how such images appear on a page.
+* **16-bit and 32-bit** greyscale (``I;16``, ``I``, ``F``) is scaled to 8 bits over its full
+  range. Pillow's own ``convert("L")`` clips those values at 255, which turns almost every
+  16-bit photo white.
+* **CMYK, palette, 1-bit, YCbCr** go through Pillow's conversion, the same one torchvision's
+  ``ImageFolder`` loader uses, so the model sees the pixels it was trained on. For the same
+  reason embedded ICC profiles are not applied.
+* Multi-frame files (GIF, multi-page TIFF) give their first frame.
+
+Image size is checked from the header, before any pixel is decoded, so a 100 000 x 100 000
+PNG costs nothing to refuse.
+
+:class:`Preprocess` resizes and normalises an RGB image into the ``(3, H, W)`` tensor a
+model takes, and :func:`load_batch` does both for a list of files.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+from torchvision.transforms.v2 import InterpolationMode
+from torchvision.transforms.v2 import functional as TF  # noqa: N812 - the conventional name
+
+from camviz.errors import CamvizError
+
+#: Default largest image, in pixels, that :func:`load_image` decodes (64 megapixels is
+#: well above any camera photo and about 200 MB of RGB).
+MAX_PIXELS = 64_000_000
+
+#: ImageNet channel statistics, the default normalisation of torchvision and timm models.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+#: What transparent pixels are composited onto (see the module docstring).
+BACKGROUND = (255, 255, 255)
+
+_ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
+_INTERPOLATIONS = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC}
+
+PathLike = str | os.PathLike[str]
+
+
+def load_image(path: PathLike, *, max_pixels: int | None = MAX_PIXELS) -> Image.Image:
+    """Read an image file as an upright 8-bit RGB image.
+
+    Args:
+        path: A JPEG, PNG, WebP, BMP, TIFF or any other file Pillow reads.
+        max_pixels: Refuse images with more pixels than this (read from the header, before
+            decoding); ``None`` leaves only Pillow's own decompression-bomb limit
+            (``PIL.Image.MAX_IMAGE_PIXELS``).
+
+    Returns:
+        A new RGB image, fully decoded and not tied to the file (which is closed).
+
+    Raises:
+        CamvizError: The file is missing, a folder, empty, not an image, truncated or
+            corrupt, or too large. The message names the file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise CamvizError(f"{path} is a folder, not an image file; give the path of an image")
+    try:
+        with open(path, "rb") as file:
+            if os.fstat(file.fileno()).st_size == 0:
+                raise CamvizError(f"{path} is empty (0 bytes); re-export or re-download it")
+            image = _open(file, path)
+            _check_size(image, path, max_pixels)
+            return to_rgb(ImageOps.exif_transpose(image))
+    except FileNotFoundError:
+        raise CamvizError(f"image file not found: {path}; check the path") from None
+    except PermissionError:
+        raise CamvizError(f"cannot read {path}: permission denied; check its permissions") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        raise CamvizError(_bomb_message(path, error)) from None
+    except (OSError, SyntaxError, ValueError, EOFError) as error:
+        # Pillow reports damaged data with any of these, depending on the format.
+        raise CamvizError(
+            f"{path} is truncated or corrupt ({_first_line(error)}); re-export or re-download it"
+        ) from None
+
+
+def _open(file: object, path: Path) -> Image.Image:
+    """Read the header only; Pillow's decompression-bomb warning becomes an error."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            return Image.open(file)
+        except UnidentifiedImageError:
+            raise CamvizError(
+                f"{path} is not an image Pillow can read; check the file, or convert it to "
+                "PNG or JPEG"
+            ) from None
+
+
+def _check_size(image: Image.Image, path: Path, max_pixels: int | None) -> None:
+    width, height = image.size
+    if max_pixels is not None and width * height > max_pixels:
+        raise CamvizError(
+            f"{path} is {width}x{height} ({width * height / 1e6:.1f} megapixels), more than "
+            f"the limit of {max_pixels / 1e6:.1f}; downscale it, or pass a larger max_pixels "
+            "if you trust the file"
+        )
+
+
+def _bomb_message(path: Path, error: Exception) -> str:
+    return (
+        f"{path} is larger than Pillow allows ({_first_line(error).rstrip('.')}); downscale "
+        "it, or raise PIL.Image.MAX_IMAGE_PIXELS if you trust the file"
+    )
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Any Pillow image as a new 8-bit RGB image (see the module docstring for each mode).
+
+    Raises:
+        CamvizError: A mode that cannot be turned into RGB.
+    """
+    if image.mode.startswith("I;16"):
+        return _scaled_to_8bit(np.asarray(image), full_scale=65535)
+    if image.mode == "I":
+        values = np.asarray(image)
+        in_16bit_range = values.size == 0 or (values.min() >= 0 and values.max() <= 65535)
+        return _scaled_to_8bit(values, full_scale=65535 if in_16bit_range else None)
+    if image.mode == "F":
+        values = np.asarray(image)
+        in_unit_range = values.size == 0 or (values.min() >= 0 and values.max() <= 1)
+        return _scaled_to_8bit(values, full_scale=1 if in_unit_range else None)
+    try:
+        if image.mode in _ALPHA_MODES or "transparency" in image.info:
+            background = Image.new("RGBA", image.size, (*BACKGROUND, 255))
+            return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
+        return image.convert("RGB")
+    except ValueError as error:
+        raise CamvizError(
+            f"cannot convert a {image.mode!r} image to RGB ({error}); convert it to RGB first"
+        ) from None
+
+
+def _scaled_to_8bit(values: np.ndarray, full_scale: float | None) -> Image.Image:
+    """Map ``[0, full_scale]`` (or the values' own min..max when None) linearly to 0..255."""
+    values = values.astype(np.float64)
+    low, high = (0.0, float(full_scale)) if full_scale is not None else _extent(values)
+    scaled = (values - low) * (255 / (high - low)) if high > low else np.zeros_like(values)
+    grey = np.rint(np.clip(scaled, 0, 255)).astype(np.uint8)
+    return Image.fromarray(grey).convert("RGB")
+
+
+def _extent(values: np.ndarray) -> tuple[float, float]:
+    finite = values[np.isfinite(values)]
+    return (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """Resize and normalise an RGB image into the ``(3, H, W)`` float tensor a model takes.
+
+    There is no centre crop: the whole image is explained, so the heatmap maps back onto
+    the original exactly (:func:`camviz.render.overlay` stretches it to the original size).
+
+    Resizing uses ``torchvision.transforms.v2.functional.resize`` on the Pillow image, which
+    resizes with Pillow - the same pixels that torchvision's and timm's evaluation
+    transforms produce, so the model sees what it saw during validation.
+
+    Attributes:
+        size: The shorter side (``"shorter"``) or both sides (``"square"``), in pixels.
+        mean: Per-channel mean subtracted after scaling to ``[0, 1]``.
+        std: Per-channel standard deviation divided by.
+        resize: ``"shorter"`` keeps the aspect ratio; ``"square"`` squashes the image to
+            ``size x size``, for models that need a fixed size (most ViTs).
+        interpolation: ``"bilinear"`` or ``"bicubic"`` (timm models often use bicubic).
+        max_size: With ``"shorter"``, the most the longer side may have; a very wide image
+            is then scaled so that its longer side is ``max_size``.
+        multiple_of: Round each side to the nearest multiple of this (e.g. 32, for CNNs
+            whose feature maps should tile the input exactly).
+
+    Example:
+        >>> Preprocess(size=224).output_size(width=640, height=480)
+        (224, 299)
+    """
+
+    size: int = 224
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    resize: Literal["shorter", "square"] = "shorter"
+    interpolation: Literal["bilinear", "bicubic"] = "bilinear"
+    max_size: int | None = None
+    multiple_of: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise CamvizError(f"size must be a positive number of pixels, not {self.size!r}")
+        for name in ("mean", "std"):
+            values = tuple(float(value) for value in getattr(self, name))
+            if len(values) != 3:
+                raise CamvizError(f"{name} must have 3 values (R, G, B), got {len(values)}")
+            object.__setattr__(self, name, values)  # lists become hashable tuples
+        if min(self.std) <= 0:
+            raise CamvizError(f"std values must be positive, got {self.std}")
+        if self.resize not in ("shorter", "square"):
+            raise CamvizError(f"resize must be 'shorter' or 'square', not {self.resize!r}")
+        if self.interpolation not in _INTERPOLATIONS:
+            raise CamvizError(
+                f"interpolation must be one of {', '.join(_INTERPOLATIONS)}, "
+                f"not {self.interpolation!r}"
+            )
+        if self.max_size is not None and self.max_size < self.size:
+            raise CamvizError(
+                f"max_size ({self.max_size}) must be at least size ({self.size}), or None"
+            )
+        if not isinstance(self.multiple_of, int) or self.multiple_of < 1:
+            raise CamvizError(f"multiple_of must be a positive integer, not {self.multiple_of!r}")
+
+    def output_size(self, width: int, height: int) -> tuple[int, int]:
+        """The ``(H, W)`` of the tensor made from a ``width`` x ``height`` image."""
+        if self.resize == "square":
+            new_height = new_width = float(self.size)
+        else:
+            scale = self.size / min(width, height)
+            if self.max_size is not None and max(width, height) * scale > self.max_size:
+                scale = self.max_size / max(width, height)
+            new_height, new_width = height * scale, width * scale
+        return self._rounded(new_height), self._rounded(new_width)
+
+    def _rounded(self, length: float) -> int:
+        step = self.multiple_of
+        return max(step, math.floor(length / step + 0.5) * step)
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        """The normalised ``(3, H, W)`` float32 tensor for ``image`` (any mode)."""
+        if not isinstance(image, Image.Image):
+            raise CamvizError(
+                f"Preprocess takes a PIL image, not {type(image).__name__}; read files with "
+                "camviz.images.load_image"
+            )
+        rgb = image if image.mode == "RGB" else to_rgb(image)
+        resized = TF.resize(
+            rgb,
+            list(self.output_size(*rgb.size)),
+            interpolation=_INTERPOLATIONS[self.interpolation],
+            antialias=True,
+        )
+        scaled = TF.to_dtype(TF.pil_to_tensor(resized), torch.float32, scale=True)
+        return TF.normalize(scaled, list(self.mean), list(self.std))
+
+
+def load_batch(
+    paths: PathLike | Iterable[PathLike],
+    preprocess: Callable[[Image.Image], torch.Tensor] | None = None,
+    *,
+    max_pixels: int | None = MAX_PIXELS,
+) -> tuple[torch.Tensor, list[Image.Image]]:
+    """Read image files into one batch, keeping the originals for the overlays.
+
+    Images of different shapes cannot share a batch. With ``Preprocess(resize="square")``
+    every image fits; with ``"shorter"`` only images of one aspect ratio do, and the others
+    are refused with a message (explain them one call each instead).
+
+    Args:
+        paths: One path or several.
+        preprocess: A callable from an RGB PIL image to a ``(3, H, W)`` tensor, such as a
+            :class:`Preprocess` or the ``.preprocess`` of :func:`camviz.models.load`;
+            ``None`` means ``Preprocess()``.
+        max_pixels: Passed to :func:`load_image`.
+
+    Returns:
+        ``(batch, originals)``: the ``(N, 3, H, W)`` batch, and the N upright RGB images.
+
+    Raises:
+        CamvizError: A file cannot be read, no path is given, or the images preprocess
+            to different sizes.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    paths = list(paths)
+    if not paths:
+        raise CamvizError("no image paths given; pass at least one image file")
+    preprocess = preprocess if preprocess is not None else Preprocess()
+    originals = [load_image(path, max_pixels=max_pixels) for path in paths]
+    tensors = [preprocess(image) for image in originals]
+    shapes = [tuple(tensor.shape) for tensor in tensors]
+    if len(set(shapes)) > 1:
+        listed = ", ".join(
+            f"{Path(path).name} -> {'x'.join(map(str, shape[-2:]))}"
+            for path, shape in list(zip(paths, shapes, strict=True))[:4]
+        )
+        raise CamvizError(
+            f"the images preprocess to different sizes ({listed}{', ...' if len(paths) > 4 else ''}"
+            "); use Preprocess(resize='square') to batch them, or load them one at a time"
+        )
+    return torch.stack(tensors), originals
