@@ -109,6 +109,16 @@ def overlay(
     return Image.fromarray(_blend(rgb, _resized(_as_map(heatmap), rgb.size), alpha, colormap))
 
 
+def check_render_options(alpha: float, colormap: str | Colormap) -> None:
+    """Refuse a bad ``alpha`` or colour map now, before any model work is spent.
+
+    Raises:
+        CamvizError: ``alpha`` is outside ``[0, 1]`` or the colour map is unknown.
+    """
+    _check_alpha(alpha)
+    _colormap(colormap)
+
+
 def select_channels(
     activations: torch.Tensor,
     channels: int | Sequence[int] | None = None,
@@ -467,11 +477,15 @@ def _resized(values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 def _blend(
     rgb: Image.Image, values: torch.Tensor, alpha: float, colormap: str | Colormap
 ) -> np.ndarray:
-    if not 0 <= alpha <= 1:
-        raise CamvizError(f"alpha must lie in [0, 1], got {alpha}")
+    _check_alpha(alpha)
     colours = _colour(values, colormap).astype(np.float32)
     pixels = np.asarray(rgb, dtype=np.float32)
     return np.rint((1 - alpha) * pixels + alpha * colours).astype(np.uint8)
+
+
+def _check_alpha(alpha: float) -> None:
+    if not 0 <= alpha <= 1:
+        raise CamvizError(f"alpha must lie in [0, 1], got {alpha}")
 
 
 def _colour(values: torch.Tensor, colormap: str | Colormap) -> np.ndarray:

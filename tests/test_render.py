@@ -129,6 +129,15 @@ def test_bad_alpha_and_colour_map_are_refused(image: Image.Image) -> None:
         overlay(image, values, colormap="virdis")
 
 
+@pytest.mark.parametrize(
+    ("alpha", "colormap", "message"), [(-0.1, "jet", "alpha"), (0.5, "jett", "did you mean jet")]
+)
+def test_render_options_are_checked_up_front(alpha: float, colormap: str, message: str) -> None:
+    render.check_render_options(0.0, "turbo")
+    with pytest.raises(CamvizError, match=message):
+        render.check_render_options(alpha, colormap)
+
+
 # Channels
 
 # Three 2x2 channels: a ramp (mean 1.5), a constant (mean 5), and one with negatives (mean 0.5).
