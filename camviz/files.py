@@ -83,8 +83,8 @@ def explain_files(
         "target": target if isinstance(target, (int, str, type(None))) else repr(target),
         "images": entries,
     }
-    with atomic_write(out / MANIFEST) as temporary:
-        temporary.write_text(json.dumps(manifest, indent=2) + "\n")
+    with atomic_write(out / MANIFEST, "w") as file:
+        file.write(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 

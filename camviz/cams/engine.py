@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 
 from camviz.cams.base import CamMethod, LayerData
@@ -39,6 +38,7 @@ from camviz.cams.registry import get
 from camviz.errors import CamvizError
 from camviz.hooks import detach_to, edit
 from camviz.layers import default_target_layer, resolve_layers
+from camviz.maps import normalize, upsample
 from camviz.modelstate import eval_mode
 from camviz.targets import ScoreFn, Target, score_fns
 
@@ -274,24 +274,6 @@ def as_spatial(tensor: torch.Tensor, layer: str) -> torch.Tensor:
             "map; pick a convolutional layer"
         )
     return tensor
-
-
-def normalize(maps: torch.Tensor) -> torch.Tensor:
-    """Min-max normalise each ``(h, w)`` map to ``[0, 1]``; a constant map becomes zeros."""
-    flat = maps.flatten(1)
-    low = flat.amin(dim=1, keepdim=True)
-    span = flat.amax(dim=1, keepdim=True) - low
-    scaled = torch.where(span > 0, (flat - low) / span.clamp_min(torch.finfo(flat.dtype).tiny), 0)
-    return scaled.view_as(maps)
-
-
-def upsample(maps: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
-    """Bilinear resize of ``(M, h, w)`` maps to ``size``; stays within the input's range."""
-    if tuple(maps.shape[-2:]) == tuple(size):
-        return maps
-    return F.interpolate(maps.unsqueeze(1), size=tuple(size), mode="bilinear", align_corners=False)[
-        :, 0
-    ]
 
 
 def _target_layers(
