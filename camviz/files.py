@@ -65,11 +65,13 @@ def explain_files(
     if not paths:
         raise CamvizError("no image given; pass one or more image files")
     images = [load_image(path) for path in paths]
-    out = _prepare_out_dir(Path(out_dir))
+    out = Path(out_dir)
+    _check_out_dir(out)
     layer = layer if layer is not None else loaded.default_layer
     results = [
         explain(loaded.model, loaded.preprocess(image), method, layer, target) for image in images
     ]
+    _make_out_dir(out)
     entries = [
         _write_image_results(out, Path(path), image, result, loaded, render, stem)
         for path, image, result, stem in zip(
@@ -157,7 +159,19 @@ def _unique_stems(paths: Sequence[str | Path]) -> list[str]:
     return stems
 
 
-def _prepare_out_dir(out: Path) -> Path:
+def _check_out_dir(out: Path) -> None:
+    """Fail early, before any work, if ``out`` cannot become a folder we write into."""
+    existing = next(folder for folder in (out, *out.parents) if folder.exists())
+    if not existing.is_dir():
+        raise CamvizError(
+            f"cannot use {str(out)!r} as the output folder: {str(existing)!r} is a file; "
+            "pass --out a folder"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CamvizError(f"output folder {str(out)!r} is not writable; pass --out another folder")
+
+
+def _make_out_dir(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
@@ -167,6 +181,3 @@ def _prepare_out_dir(out: Path) -> Path:
         raise CamvizError(
             f"cannot write to output folder {str(out)!r} ({reason}); pass --out a writable folder"
         ) from None
-    if not os.access(out, os.W_OK):
-        raise CamvizError(f"output folder {str(out)!r} is not writable; pass --out another folder")
-    return out

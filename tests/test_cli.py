@@ -1,0 +1,135 @@
+"""The ``camviz`` command line, run for real: results on the shipped photos, and one clear
+line with a non-zero exit, no traceback and no files for every bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from camviz.cli import main
+
+CAT_CLASSES = {281, 282, 283, 284, 285}  # tabby, tiger cat, Persian, Siamese, Egyptian cat
+ESPRESSO = 967
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "camviz", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def explained(tmp_path_factory, cat_path, coffee_path):
+    out = tmp_path_factory.mktemp("explain") / "results"
+    result = run_cli("explain", str(cat_path), str(coffee_path), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    return out, json.loads((out / "manifest.json").read_text())
+
+
+def test_explain_writes_overlays_panels_and_manifest(explained, cat_path, coffee_path):
+    out, manifest = explained
+    assert manifest["model"] == "efficientnet_lite0" and manifest["method"] == "gradcam"
+    cat, coffee = manifest["images"]
+    assert cat["top5"][0]["id"] in CAT_CLASSES
+    assert coffee["top5"][0]["id"] == ESPRESSO
+    for entry, photo in ((cat, cat_path), (coffee, coffee_path)):
+        probabilities = [row["probability"] for row in entry["top5"]]
+        assert probabilities == sorted(probabilities, reverse=True) and sum(probabilities) <= 1
+        assert entry["explained"][0]["id"] == entry["top5"][0]["id"]
+        assert entry["explained"][0]["name"] == entry["top5"][0]["name"]
+        overlay_path = out / entry["explained"][0]["files"]["overlay"]
+        with Image.open(overlay_path) as overlay, Image.open(photo) as original:
+            assert overlay.size == original.size
+    assert sorted(path.name for path in out.iterdir()) == sorted(
+        ["manifest.json", *cat["files"], *coffee["files"]]
+    )
+
+
+def test_top_k_writes_one_overlay_per_rank(tmp_path, cat_path):
+    assert main(["explain", str(cat_path), "--target", "top2", "--out", str(tmp_path)]) == 0
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    explained = manifest["images"][0]["explained"]
+    assert [row["id"] for row in explained] == [
+        row["id"] for row in manifest["images"][0]["top5"][:2]
+    ]
+    assert (tmp_path / "chelsea_rank2_overlay.png").is_file()
+
+
+def test_help_does_not_import_torch():
+    code = (
+        "import sys; from camviz.cli import build_parser; build_parser(); "
+        "print('torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "False"
+    assert run_cli("--help").returncode == 0
+
+
+def test_layers_lists_names_with_shapes(capsys):
+    assert main(["layers", "--size", "64"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    bn2 = next(line for line in lines if line.split()[0] == "bn2")
+    assert bn2.split()[1] == "BatchNormAct2d" and "(1, 1280, 2, 2)" in bn2
+
+
+def bad_image(tmp_path: Path) -> Path:
+    path = tmp_path / "notes.jpg"
+    path.write_text("this is not a picture")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make_args", "message"),
+    [
+        (lambda tmp, cat: [str(tmp / "missing.png")], "missing.png"),
+        (lambda tmp, cat: [str(cat), str(bad_image(tmp))], "notes.jpg"),
+        (lambda tmp, cat: [str(cat), "--model", "resnet5"], "resnet50"),
+        (lambda tmp, cat: [str(cat), "--layer", "bn3"], "no layer named 'bn3'"),
+        (lambda tmp, cat: [str(cat), "--target", "1000"], "class id 1000 is out of range"),
+        (lambda tmp, cat: [str(cat), "--method", "nocam"], "unknown CAM method 'nocam'"),
+        (lambda tmp, cat: [str(cat), "--alpha", "1.5"], "alpha"),
+        (lambda tmp, cat: [str(cat), "--colormap", "jett"], "jet"),
+        (lambda tmp, cat: [str(cat), "--weights", str(tmp / "none.pt")], "none.pt"),
+    ],
+)
+def test_bad_input_gives_one_line_and_no_files(tmp_path, cat_path, capsys, make_args, message):
+    out = tmp_path / "out"
+    status = main(["explain", *make_args(tmp_path, cat_path), "--out", str(out)])
+    error = capsys.readouterr().err
+    assert status == 1
+    assert error.startswith("camviz: error: ") and error.count("\n") == 1, error
+    assert message in error
+    assert not out.exists()
+
+
+def test_unwritable_output_folder(tmp_path, cat_path, capsys):
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("taken")
+    assert main(["explain", str(cat_path), "--out", str(a_file / "sub")]) == 1
+    assert "is a file" in capsys.readouterr().err
+    assert a_file.read_text() == "taken"
+
+
+def test_weights_that_cannot_be_downloaded_say_what_to_do(tmp_path, cat_path, capsys, monkeypatch):
+    import urllib.error
+
+    import torch.hub
+
+    def offline(url, destination, *args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    # The real torchvision download path runs; only the network transfer is replaced, so
+    # the test means the same on a machine that is online.
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    out = tmp_path / "o"
+    assert main(["explain", str(cat_path), "--model", "resnet18", "--out", str(out)]) == 1
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--weights PATH" in last_line and "efficientnet_lite0" in last_line
+    assert not out.exists()
+    assert not list((tmp_path / "hub").rglob("*.pth"))
