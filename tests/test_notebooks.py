@@ -1,0 +1,42 @@
+"""Every notebook runs top to bottom on a fresh kernel, as a reader would run it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def run_notebook(name: str) -> nbformat.NotebookNode:
+    """Execute ``notebooks/NAME`` in its own folder and return the executed notebook."""
+    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    client = NotebookClient(
+        notebook,
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(NOTEBOOKS)}},
+    )
+    client.execute()
+    return notebook
+
+
+def displayed_images(notebook: nbformat.NotebookNode) -> int:
+    return sum(
+        "image/png" in output.get("data", {})
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.outputs
+    )
+
+
+def test_quickstart_notebook():
+    notebook = run_notebook("01_quickstart.ipynb")
+    assert displayed_images(notebook) >= 2
+    text = "".join(
+        output.get("text", "") for cell in notebook.cells for output in cell.get("outputs", [])
+    )
+    assert "Egyptian cat" in text or "tabby" in text or "tiger cat" in text
+    assert "espresso" in text
