@@ -7,3 +7,13 @@ can print it as it is and exit non-zero without a traceback.
 
 class CamvizError(Exception):
     """A mistake in what camviz was asked to do (bad name, bad file, bad argument)."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (its type name if it has none).
+
+    Third-party errors can span several lines; a CamvizError quotes only this part, so
+    that it stays one line.
+    """
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

@@ -40,7 +40,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF  # noqa: N812 - the conventional name
 
-from camviz.errors import CamvizError
+from camviz.errors import CamvizError, first_line
 
 #: Default largest image, in pixels, that :func:`load_image` decodes (64 megapixels is
 #: well above any camera photo and about 200 MB of RGB).
@@ -94,7 +94,7 @@ def load_image(path: PathLike, *, max_pixels: int | None = MAX_PIXELS) -> Image.
     except (OSError, SyntaxError, ValueError, EOFError) as error:
         # Pillow reports damaged data with any of these, depending on the format.
         raise CamvizError(
-            f"{path} is truncated or corrupt ({_first_line(error)}); re-export or re-download it"
+            f"{path} is truncated or corrupt ({first_line(error)}); re-export or re-download it"
         ) from None
 
 
@@ -123,14 +123,9 @@ def _check_size(image: Image.Image, path: Path, max_pixels: int | None) -> None:
 
 def _bomb_message(path: Path, error: Exception) -> str:
     return (
-        f"{path} is larger than Pillow allows ({_first_line(error).rstrip('.')}); downscale "
+        f"{path} is larger than Pillow allows ({first_line(error).rstrip('.')}); downscale "
         "it, or raise PIL.Image.MAX_IMAGE_PIXELS if you trust the file"
     )
-
-
-def _first_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

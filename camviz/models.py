@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from camviz.errors import CamvizError
+from camviz.errors import CamvizError, first_line
 
 if TYPE_CHECKING:
     from camviz.images import Preprocess
@@ -350,10 +350,9 @@ def _downloading(name: str) -> Iterator[None]:
     except (OSError, RuntimeError) as error:
         # OSError covers urllib's URLError, socket timeouts and the Hugging Face hub's
         # errors; torch hub raises RuntimeError for a download whose hash does not match.
-        from camviz.images import _first_line
 
         raise CamvizError(
-            f"could not download the pretrained weights of {name} ({_first_line(error)}); "
+            f"could not download the pretrained weights of {name} ({first_line(error)}); "
             + _DOWNLOAD_ADVICE
         ) from error
 
