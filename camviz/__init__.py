@@ -14,11 +14,20 @@ __version__ = "0.1.0"
 # Public name -> "module:attribute". One table, read by __getattr__ and __dir__.
 _EXPORTS = {
     "CamvizError": "camviz.errors:CamvizError",
+    "Explanation": "camviz.cams.engine:Explanation",
+    "Preprocess": "camviz.images:Preprocess",
+    "TopK": "camviz.targets:TopK",
     "capture": "camviz.hooks:capture",
+    "channel_grid": "camviz.render:channel_grid",
     "edit": "camviz.hooks:edit",
     "explain": "camviz.cams.engine:explain",
-    "Explanation": "camviz.cams.engine:Explanation",
-    "TopK": "camviz.targets:TopK",
+    "explain_files": "camviz.files:explain_files",
+    "load_image": "camviz.images:load_image",
+    "load_model": "camviz.models:load",
+    "overlay": "camviz.render:overlay",
+    "panel": "camviz.render:panel",
+    "save": "camviz.render:save",
+    "show": "camviz.render:show",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]
