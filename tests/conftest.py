@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,7 +41,76 @@ def offline_model():
     return load("efficientnet_lite0")
 
 
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    """A random ResNet-18 state_dict with 5 classes: ``--model resnet18 --weights PATH``
+    runs the CLI offline and fast."""
+    import torchvision
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("weights") / "resnet18.pt"
+    torch.save(torchvision.models.resnet18(num_classes=5).state_dict(), path)
+    return str(path)
+
+
 @pytest.fixture
 def small_batch() -> torch.Tensor:
     torch.manual_seed(1)
     return torch.randn(2, 3, 64, 64)
+
+
+def _model_state(model: nn.Module) -> dict:
+    """Everything camviz promises to leave as it was: hooks, modes, flags, grads, values."""
+    return {
+        "modules": [
+            (
+                name,
+                module.training,
+                len(module._forward_hooks),
+                len(module._forward_pre_hooks),
+                len(module._backward_hooks),
+                len(module._backward_pre_hooks),
+            )
+            for name, module in model.named_modules()
+        ],
+        "parameters": [
+            (
+                name,
+                parameter.requires_grad,
+                None if parameter.grad is None else parameter.grad.clone(),
+                len(parameter._backward_hooks or {}),
+                len(getattr(parameter, "_post_accumulate_grad_hooks", None) or {}),
+            )
+            for name, parameter in model.named_parameters()
+        ],
+        "values": {key: value.clone() for key, value in model.state_dict().items()},
+    }
+
+
+def _assert_same_state(before: dict, after: dict) -> None:
+    assert after["modules"] == before["modules"], "hooks or train/eval flags changed"
+    for old, new in zip(before["parameters"], after["parameters"], strict=True):
+        assert old[0] == new[0]
+        assert old[1] == new[1], f"requires_grad of {old[0]} changed"
+        assert (old[2] is None) == (new[2] is None), f".grad of {old[0]} appeared or vanished"
+        assert old[2] is None or torch.equal(old[2], new[2]), f".grad of {old[0]} changed"
+        assert old[3:] == new[3:], f"tensor hooks left on {old[0]}"
+    for key, value in before["values"].items():
+        assert torch.equal(value, after["values"][key]), f"{key} changed"
+
+
+@pytest.fixture
+def untouched():
+    """``with untouched(model): ...`` fails if the block leaves any trace on the model.
+
+    Checked: hooks on every module and parameter, train/eval flags, ``requires_grad``,
+    ``.grad``, and every parameter and buffer value (BatchNorm running statistics too).
+    """
+
+    @contextlib.contextmanager
+    def check(model: nn.Module) -> Iterator[nn.Module]:
+        before = _model_state(model)
+        yield model
+        _assert_same_state(before, _model_state(model))
+
+    return check

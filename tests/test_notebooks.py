@@ -40,3 +40,17 @@ def test_quickstart_notebook():
     )
     assert "Egyptian cat" in text or "tabby" in text or "tiger cat" in text
     assert "espresso" in text
+
+
+def test_features_notebook():
+    notebook = run_notebook("03_features_and_debugging.ipynb")
+    assert displayed_images(notebook) >= 5
+    text = "".join(
+        output.get("text", "") + output.get("data", {}).get("text/plain", "")
+        for cell in notebook.cells
+        for output in cell.get("outputs", [])
+    )
+    assert "layer 'blocks.4.0.conv_pw' (Conv2d) is the first to output NaN/Inf" in text
+    assert "5 steps recorded" in text
+    assert "tensor([ 5., -6.])" in text  # d(c)/d(a) = z
+    assert "(0, False)" in text  # no hook left, still in eval mode

@@ -1,0 +1,77 @@
+"""``camviz features``: every channel of named layers, as a grid image and a figure."""
+
+from __future__ import annotations
+
+import argparse
+
+from camviz.cli.options import add_model_options
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "features",
+        help="draw the channels of layers for one image",
+        description="Run the model on IMAGE and write, for each --layer, NAME_grid.png (the "
+        "channels tiled, each scaled to its own range) and NAME_figure.png (the channels "
+        "titled with their indices, under the layer name).",
+    )
+    parser.add_argument("image", metavar="IMAGE", help="an image file")
+    add_model_options(parser)
+    parser.add_argument(
+        "--layer",
+        action="append",
+        required=True,
+        metavar="NAME",
+        help="layer name or pattern such as 'layer*.0.conv1' (repeat for several; "
+        "`camviz layers` lists them)",
+    )
+    parser.add_argument("--out", default="camviz-features", metavar="DIR", help="output folder")
+    parser.add_argument(
+        "--channels",
+        type=int,
+        default=None,
+        metavar="N",
+        help="draw N channels (default: all in the grid, 16 in the figure)",
+    )
+    parser.add_argument(
+        "--order",
+        choices=("first", "strongest"),
+        default="first",
+        help="with --channels: the first N, or the N with the highest mean activation",
+    )
+    parser.add_argument(
+        "--colormap", default=None, help="matplotlib colour map for the grid (default grey)"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from camviz.cams.layout import as_spatial, patch_size
+    from camviz.cli.options import load_model
+    from camviz.features import features
+    from camviz.images import load_image
+    from camviz.render import channel_figure, channel_grid, save
+
+    image = load_image(args.image)
+    loaded = load_model(args)
+    inputs = loaded.preprocess(image).unsqueeze(0)
+    outputs = features(loaded.model, inputs, args.layer, device="cpu")
+    # Transformer tokens become (1, C, h, w) maps too; anything else is refused here,
+    # before a file is written.
+    patch = patch_size(loaded.model)
+    maps = {
+        name: as_spatial(output, name, inputs.shape[-2:], patch) for name, output in outputs.items()
+    }
+    out = Path(args.out)
+    for name, activations in maps.items():
+        grid = out / f"{name}_grid.png"
+        figure = out / f"{name}_figure.png"
+        channel_grid(
+            activations, grid, channels=args.channels, order=args.order, colormap=args.colormap
+        )
+        drawn = channel_figure(activations, name, channels=args.channels or 16, order=args.order)
+        save(drawn, figure)
+        print(f"{name}: {tuple(activations.shape[1:])} -> {grid}, {figure}")
+    return 0

@@ -1,0 +1,114 @@
+"""Intermediate feature maps by layer name, from any model that runs.
+
+``camviz.features(model, x, ["layer1", "layer4"])`` returns what those layers emitted in one
+forward pass. Unlike torchvision's ``create_feature_extractor``, which traces the model with
+``torch.fx`` and fails on data-dependent control flow (``if x.sum() > 0:``), this only attaches
+forward hooks (:func:`camviz.hooks.capture`) and runs the model as it is.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from camviz.errors import CamvizError
+from camviz.hooks import capture
+from camviz.modelstate import eval_mode
+
+
+class Features(dict):
+    """``{layer name: output}`` in the order the layers were named.
+
+    Attributes:
+        inputs: ``{layer name: input}`` (the first positional input, or the tuple of them
+            when a layer takes several); filled only with ``inputs_too=True``.
+    """
+
+    def __init__(self, outputs: Mapping[str, Any], inputs: Mapping[str, Any]) -> None:
+        super().__init__(outputs)
+        self.inputs = dict(inputs)
+
+
+def features(
+    model: nn.Module,
+    inputs: Any,
+    layers: str | Iterable[str],
+    *,
+    device: torch.device | str | None = None,
+    inputs_too: bool = False,
+) -> Features:
+    """Run the model once and return the outputs of named layers.
+
+    The pass runs under ``torch.no_grad()``, so no autograd graph is kept, and with every
+    module in eval mode (a BatchNorm in train mode would otherwise update its running
+    statistics); the model comes back with its own flags and no hooks. The outputs are
+    ordinary tensors rather than ``inference_mode`` tensors, so they can feed a probe that is
+    trained with autograd.
+
+    Args:
+        model: Any ``nn.Module``; it need not be traceable by ``torch.fx``.
+        inputs: What the model is called with: a tensor, a tuple of positional tensors or a
+            dict of keyword tensors. Tensors are moved to the model's device.
+        layers: Names as in ``model.named_modules()``; patterns like ``"layer*.0.conv1"``.
+        device: Where the returned tensors live: ``None`` keeps them where they were
+            computed (the model's device), ``"cpu"`` moves them off the accelerator.
+        inputs_too: Also return what went into each layer, in ``result.inputs``.
+
+    Returns:
+        A :class:`Features` dict ``{layer name: output}``. A layer that runs several times
+        in one pass (a shared module) gives the output of its last call.
+
+    Raises:
+        CamvizError: A name matches no layer, or a named layer did not run.
+
+    Example:
+        >>> maps = camviz.features(model, x, ["layer*.0.conv1"], device="cpu")
+        >>> {name: tuple(value.shape) for name, value in maps.items()}
+    """
+    with (
+        capture(model, layers, inputs=inputs_too, device=device) as record,
+        eval_mode(model),
+        torch.no_grad(),
+    ):
+        call_model(model, inputs)
+    missing = [name for name in record.layers if name not in record.activations]
+    if missing:
+        raise CamvizError(
+            f"layer(s) {', '.join(map(repr, missing))} did not run in the forward pass; "
+            "name layers that the model uses (`camviz inspect --model NAME` lists them)"
+        )
+    return Features(
+        {name: record.activations[name] for name in record.layers},
+        {name: record.inputs[name] for name in record.layers} if inputs_too else {},
+    )
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """``model(inputs)``, ``model(*inputs)`` or ``model(**inputs)``, on the model's device.
+
+    Args:
+        model: The network to run.
+        inputs: A tensor, a tuple or list of positional arguments, or a dict of keyword
+            arguments. Tensors among them are moved to the device of the model's first
+            parameter (or buffer); a model with neither takes them as they are.
+    """
+    device = model_device(model)
+
+    def move(value: Any) -> Any:
+        return value.to(device) if isinstance(value, torch.Tensor) and device else value
+
+    if isinstance(inputs, Mapping):
+        return model(**{key: move(value) for key, value in inputs.items()})
+    if isinstance(inputs, Sequence) and not isinstance(inputs, str):
+        return model(*(move(value) for value in inputs))
+    return model(move(inputs))
+
+
+def model_device(model: nn.Module) -> torch.device | None:
+    """The device of the model's first parameter or buffer, or ``None`` if it has neither."""
+    tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return None if tensor is None else tensor.device
