@@ -15,6 +15,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CamvizError": "camviz.errors:CamvizError",
     "Explanation": "camviz.cams.engine:Explanation",
+    "GradientMonitor": "camviz.monitor:GradientMonitor",
+    "LayerTable": "camviz.layerstats:LayerTable",
     "Preprocess": "camviz.images:Preprocess",
     "TopK": "camviz.targets:TopK",
     "capture": "camviz.hooks:capture",
@@ -22,6 +24,9 @@ _EXPORTS = {
     "edit": "camviz.hooks:edit",
     "explain": "camviz.cams.engine:explain",
     "explain_files": "camviz.files:explain_files",
+    "features": "camviz.extraction:features",
+    "find_first_nonfinite": "camviz.layerstats:find_first_nonfinite",
+    "inspect": "camviz.layerstats:inspect",
     "load_image": "camviz.images:load_image",
     "load_model": "camviz.models:load",
     "overlay": "camviz.render:overlay",

@@ -174,7 +174,7 @@ def capture(
     def on_output(name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         record.activations.put(name, detach_to(output, device))
         if gradients and backward == "tensor":
-            for tensor in _tensors(output):
+            for tensor in tensors_in(output):
                 if tensor.requires_grad:
                     tensor.register_hook(partial(on_gradient, name))
 
@@ -225,15 +225,16 @@ def edit(model: nn.Module, edits: Mapping[str, EditFn]) -> Iterator[nn.Module]:
         yield model
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value`` (a tensor, or nested tuples, lists and dicts of them)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _tensors(item)
+            yield from tensors_in(item)
     elif isinstance(value, Mapping):
         for item in value.values():
-            yield from _tensors(item)
+            yield from tensors_in(item)
 
 
 @contextlib.contextmanager

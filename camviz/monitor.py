@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from camviz.errors import CamvizError
-from camviz.hooks import _tensors
+from camviz.hooks import tensors_in
 from camviz.layers import resolve_layers
 from camviz.modelstate import HookSet
 
@@ -220,7 +220,7 @@ class GradientMonitor:
     def _on_output(self, column: int, module: nn.Module, args: Any, output: Any) -> None:
         if not self._active:
             return
-        for tensor in _tensors(output):
+        for tensor in tensors_in(output):
             if tensor.requires_grad:
                 tensor.register_hook(partial(self._on_layer_gradient, column))
 

@@ -11,7 +11,7 @@ from torch import nn
 from camviz.edits import add_noise, clamp, keep_channels, spatial_mask, zero_channels
 from camviz.errors import CamvizError
 from camviz.hooks import capture, edit
-from camviz.inspect import inspect
+from camviz.layerstats import inspect
 
 
 def tiny_cnn() -> nn.Sequential:

@@ -14,7 +14,7 @@ from torchvision.models.feature_extraction import create_feature_extractor
 
 import camviz.cli
 from camviz.errors import CamvizError
-from camviz.features import features
+from camviz.extraction import features
 from camviz.hooks import capture
 from camviz.images import load_image
 from camviz.models import load

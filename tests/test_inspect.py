@@ -13,7 +13,7 @@ from torch import nn
 import camviz.cli
 from camviz.errors import CamvizError
 from camviz.hooks import capture
-from camviz.inspect import find_first_nonfinite, inspect, tensor_stats
+from camviz.layerstats import find_first_nonfinite, inspect, tensor_stats
 
 
 def hand_model() -> nn.Sequential:

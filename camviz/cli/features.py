@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     from camviz.cams.layout import as_spatial, patch_size
     from camviz.cli.options import load_model
-    from camviz.features import features
+    from camviz.extraction import features
     from camviz.images import load_image
     from camviz.render import channel_figure, channel_grid, save
 

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from camviz.errors import CamvizError
-from camviz.features import call_model
-from camviz.hooks import _tensors
+from camviz.extraction import call_model
+from camviz.hooks import tensors_in
 from camviz.layers import resolve_layers
 from camviz.modelstate import HookSet, eval_mode
 from camviz.targets import Target, score_fns
@@ -414,7 +414,7 @@ class _Recorder(HookSet):
         count = self._call_counts[name] = self._call_counts.get(name, 0) + 1
         call = _Call(name if count == 1 else f"{name}#{count}", module)
         if self.inputs:
-            tensor = next(_tensors(args), None)
+            tensor = next(tensors_in(args), None)
             if tensor is not None:
                 # Taken now: an in-place layer (ReLU(inplace=True)) overwrites its input.
                 call.input_shape, call.input_stats = tuple(tensor.shape), tensor_stats(tensor)
@@ -422,7 +422,7 @@ class _Recorder(HookSet):
 
     def _on_output(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         call = self._running[id(module)].pop()
-        tensor = next(_tensors(output), None)
+        tensor = next(tensors_in(output), None)
         if tensor is not None:
             call.shape, call.stats = tuple(tensor.shape), tensor_stats(tensor)
             if self.gradients and tensor.requires_grad:
