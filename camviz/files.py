@@ -1,13 +1,41 @@
-"""Explain image files and write the results to a folder: the job behind ``camviz explain``.
+"""Explain images, folders and videos into an output folder: the job behind ``camviz explain``.
 
-For every image: an overlay at the photo's own size, a panel (image | heatmap | overlay with
-the class name and score), and one entry in ``manifest.json`` listing the files written, the
-top-5 predictions and the explained class(es).
+What the folder receives, for an input named ``NAME`` (its file stem; a folder's files keep
+their sub-folders, see :mod:`camviz.inputs`):
 
-Everything that can be checked is checked before anything is written: every image is read,
-the model is loaded, the layer and target are resolved on the first image, and the output
-folder is created and tested. Each file is then written atomically, the manifest last, so a
-failed run leaves no half-written file.
+* ``NAME_overlay.png``: the heatmap over the photo, at the photo's own size;
+* ``NAME_panel.png``: image | heatmap | overlay, titled with the class and its probability;
+* with ``heatmap="npz"``: ``NAME_heatmap.npz``, the float32 map (key ``heatmap``) in
+  ``[0, 1]``; with ``heatmap="png16"``: ``NAME_heatmap.png``, 16-bit grey, value / 65535.
+  Both are at the model's input size and cover the whole photo: resize to the photo's size
+  to lay them on it;
+* with a ``topK`` target, each of these per explained class, as ``NAME_rankR_...``;
+* for a video ``clip.mp4``: per explained frame ``clip_frames/000012_overlay.png`` (and
+  the heatmap), no panel; and ``clip_overlay.mp4``, made of those overlays;
+* ``manifest.jsonl``: one row per input, written as soon as its files are (see
+  :mod:`camviz.manifest`): ``input``, ``frame``, ``status`` (``ok`` or ``error``),
+  ``reason``, ``size``, ``prediction`` (top-1), ``top5``, ``explained`` (the explained
+  classes with ``id``, ``name``, ``score``, ``probability`` and their ``files``), ``files``,
+  ``layers`` and ``seconds`` (decoding plus the image's share of its batch);
+* ``manifest.json``: the run's settings and, at the end, every row (``images``), the
+  videos and the counts. While a run is under way it holds ``"complete": false``.
+
+**Unreadable inputs** are skipped and get a row with the reason. If *no* input can be
+explained (one bad file, a folder of bad files) the job raises a
+:class:`~camviz.errors.CamvizError` and writes nothing, as before any other user mistake:
+the output folder is created only once the first image is explained, and a mistake in the
+method, layer or target surfaces there.
+
+**Resuming.** Run the same job again with the same output folder and only what is not done
+is explained (an input is done when its row says ``ok`` and its files exist); temporary
+files of an interrupted run are removed. Every file is written atomically, so there are no
+half-written ones. A folder made with other settings (model, method, layer, target, what
+is drawn) is refused rather than mixed.
+
+**Several processes.** Under ``torchrun`` each process explains its shard (see
+:mod:`camviz.distributed`) and writes its own rows; the rank-0 process merges them and
+writes the videos and ``manifest.json``. The output folder must be one that every process
+sees (on several machines, a shared file system).
 """
 
 from __future__ import annotations
@@ -15,19 +43,42 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from camviz.cams.engine import Explanation, explain
+import numpy as np
+import torch
+from PIL import Image
+
+from camviz import distributed, manifest
+from camviz.cams import get as get_method
+from camviz.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
 from camviz.errors import CamvizError
-from camviz.images import load_image
+from camviz.images import PathLike
+from camviz.inputs import Item, expand
 from camviz.models import LoadedModel
 from camviz.render import atomic_write, overlay, panel, save
-from camviz.targets import Target, as_logits
+from camviz.targets import Target
+from camviz.video import frame_rate, write_video
 
+#: The run's summary: settings, and every row once the run is complete.
 MANIFEST = "manifest.json"
+
+#: The suffix of overlay videos.
+VIDEO_SUFFIX = ".mp4"
+
+# zlib level for overlays: level 1 encodes about 4x faster than Pillow's default 6, for
+# files about 10% larger - at batch speed, encoding would otherwise cost more than the CAM.
+_PNG_LEVEL = 1
+
+# Matplotlib shares state (font cache, text layout) between figures, so panels are drawn
+# one at a time; overlays, encoding and file writes still run in parallel.
+_FIGURES = threading.Lock()
+
+HeatmapFormat = Literal["npz", "png16"]
 
 
 @dataclass(frozen=True)
@@ -38,125 +89,391 @@ class RenderOptions:
     colormap: str = "jet"
 
 
+@dataclass(frozen=True)
+class Outputs:
+    """Which files are written per image (the manifest rows always are).
+
+    Attributes:
+        overlay: The heatmap over the photo (for videos, also the overlay video).
+        panel: Image | heatmap | overlay with the class and probability (images only).
+        heatmap: The raw map as ``"npz"`` (float32) or ``"png16"`` (16-bit PNG), or None.
+    """
+
+    overlay: bool = True
+    panel: bool = True
+    heatmap: HeatmapFormat | None = None
+
+    def __post_init__(self) -> None:
+        if self.heatmap not in (None, "npz", "png16"):
+            raise CamvizError(f"heatmap must be 'npz', 'png16' or None, not {self.heatmap!r}")
+
+
 def explain_files(
-    paths: Sequence[str | Path],
-    out_dir: str | Path,
+    inputs: PathLike | Iterable[PathLike],
+    out_dir: PathLike,
     loaded: LoadedModel,
     *,
     method: str = "gradcam",
     layer: str | Sequence[str] | None = None,
     target: Target = None,
     render: RenderOptions = RenderOptions(),
+    outputs: Outputs = Outputs(),
+    batch_size: int = 16,
+    workers: int = 0,
+    every: int = 1,
+    writers: int = 2,
+    progress: bool | None = False,
 ) -> dict[str, Any]:
-    """Explain each image file with ``loaded.model`` and write overlays, panels and a manifest.
+    """Explain images, folders, globs, path lists and videos; write the results to a folder.
+
+    See the module docstring for what is written, resuming, and ``torchrun``.
 
     Args:
-        paths: Image files.
-        out_dir: Folder for the results; created if missing.
-        loaded: A model from :func:`camviz.models.load` (model, preprocessing, class names).
+        inputs: Files, folders, glob patterns, ``.txt`` path lists, videos.
+        out_dir: Folder for the results; created once the first image is explained.
+        loaded: A model from :func:`camviz.models.load` (model, preprocessing, class names),
+            on the device it should run on.
         method: A CAM method name (``camviz methods`` lists them).
         layer: Target layer name(s); ``None`` uses the model's known default or finds one.
         target: What to explain (class id, ``"top1"``, ``"top3"``, ...).
         render: Colour map and blend weight of the overlays.
+        outputs: Which files to write per image.
+        batch_size: Images per forward pass.
+        workers: DataLoader processes that decode and preprocess images.
+        every: For videos, explain every ``every``-th frame.
+        writers: Threads that draw and write the files.
+        progress: A progress bar on stderr: ``True``, ``False``, or ``None`` (on a terminal).
 
     Returns:
         The manifest, as written to ``out_dir/manifest.json``.
+
+    Raises:
+        CamvizError: No input can be explained, the output folder is unusable or holds
+            another run's results, or a bad method, layer or target.
     """
-    if not paths:
-        raise CamvizError("no image given; pass one or more image files")
-    images = [load_image(path) for path in paths]
     out = Path(out_dir)
+    method = get_method(method).name if isinstance(method, str) else method
+    items = expand(inputs, every=every, exclude=out)
+    if not items:
+        raise CamvizError(
+            "no image or video found in the inputs; pass image files, folders, glob patterns, "
+            "path lists or videos"
+        )
     _check_out_dir(out)
-    layer = layer if layer is not None else loaded.default_layer
-    results = [
-        explain(loaded.model, loaded.preprocess(image), method, layer, target) for image in images
-    ]
-    _make_out_dir(out)
-    entries = [
-        _write_image_results(out, Path(path), image, result, loaded, render, stem)
-        for path, image, result, stem in zip(
-            paths, images, results, _unique_stems(paths), strict=True
+    settings = _settings(loaded, method, layer, target, render, outputs)
+    with distributed.session() as context:
+        _check_settings(out, settings)
+        done = manifest.finished(out, manifest.read_rows(out))
+        if context.is_main and out.is_dir():
+            manifest.remove_temporaries(out)
+        todo = [index for index, item in enumerate(items) if item.key not in done]
+        distributed.barrier(context)
+        job = _Job(out, items, loaded, settings, render, outputs, context)
+        job.run(
+            distributed.shard(todo, context),
+            method=method,
+            layer=layer,
+            target=target,
+            batch_size=batch_size,
+            workers=workers,
+            writers=writers,
+            progress=progress,
         )
-    ]
-    manifest = {
-        "model": loaded.name,
-        "method": results[0].method,
-        "layers": results[0].layers,
-        "target": target if isinstance(target, (int, str, type(None))) else repr(target),
-        "images": entries,
-    }
-    with atomic_write(out / MANIFEST, "w") as file:
-        file.write(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+        if distributed.total(job.explained, context) == 0 and not done:
+            raise CamvizError(job.failure_message())
+        job.close()
+        distributed.barrier(context)
+        if context.is_main:
+            _finish(out, items, settings, every)
+        distributed.barrier(context)
+    return json.loads((out / MANIFEST).read_text(encoding="utf-8"))
 
 
-def _write_image_results(
-    out: Path,
-    path: Path,
-    image: Any,
-    result: Explanation,
-    loaded: LoadedModel,
-    render: RenderOptions,
-    stem: str,
-) -> dict[str, Any]:
-    probabilities = as_logits(result.output).softmax(-1)[0]
-    top = probabilities.topk(min(5, probabilities.numel()))
-    explained = []
-    for rank, (class_id, score) in enumerate(zip(result.targets, result.scores, strict=True)):
-        suffix = "" if len(result.targets) == 1 else f"_rank{rank + 1}"
-        name = _class_name(loaded, int(class_id))
-        heatmap = result.heatmaps[rank]
-        probability = float(probabilities[class_id]) if class_id >= 0 else None
-        shown = f"p={probability:.2f}" if probability is not None else f"score {float(score):.2f}"
-        title = f"{name}: {shown} ({result.method}, layer {', '.join(result.layers)})"
-        files = {
-            "overlay": f"{stem}{suffix}_overlay.png",
-            "panel": f"{stem}{suffix}_panel.png",
-        }
-        save(
-            overlay(image, heatmap, alpha=render.alpha, colormap=render.colormap),
-            out / files["overlay"],
+class _Job:
+    """One process's share of the work: explain, write files, append rows."""
+
+    def __init__(
+        self,
+        out: Path,
+        items: list[Item],
+        loaded: LoadedModel,
+        settings: dict[str, Any],
+        render: RenderOptions,
+        outputs: Outputs,
+        context: distributed.Context,
+    ) -> None:
+        self.out = out
+        self.items = items
+        self.loaded = loaded
+        self.settings = settings
+        self.render = render
+        self.outputs = outputs
+        self.context = context
+        self.log: manifest.RowLog | None = None
+        self.failures: list[dict[str, Any]] = []
+        self.explained = 0
+
+    def run(self, indices: list[int], *, writers: int, **options: Any) -> None:
+        from camviz.writer import Writer
+
+        results = explain_dataset(
+            self.loaded,
+            ItemDataset(self.items),
+            indices=indices,
+            keep_images=self.outputs.overlay or self.outputs.panel,
+            **options,
         )
-        save(
-            panel(image, heatmap, title=title, alpha=render.alpha, colormap=render.colormap),
-            out / files["panel"],
+        try:
+            # The queue holds a few batches' worth of results, each with its photo.
+            with Writer(threads=writers, queue_size=2 * options["batch_size"]) as writer:
+                for result in results:
+                    if result.ok:
+                        self._open()
+                        self.explained += 1
+                        writer.submit(self._write, result)
+                    else:
+                        row = _row(self.items[result.index], result, [])
+                        self.failures.append(row)
+                        if self.log is not None:
+                            self.log.append(row)
+        except BaseException:
+            if self.log is not None:
+                self.log.close()
+            raise
+
+    def close(self) -> None:
+        """Write the rows of failed inputs if nothing opened the folder yet; close the log."""
+        if self.failures:
+            self._open()
+        if self.log is not None:
+            self.log.close()
+
+    def failure_message(self) -> str:
+        """One line for a run in which nothing could be explained."""
+        if not self.failures:
+            return "no input could be explained; see the other processes' messages"
+        first = self.failures[0]["reason"]
+        if len(self.failures) == 1:
+            return first
+        return (
+            f"none of the {len(self.failures)} inputs could be explained; the first: {first}"
         )
-        explained.append(
-            {
-                "id": int(class_id),
-                "name": name,
-                "score": float(score),
-                "probability": probability,
-                "files": files,
-            }
+
+    def _open(self) -> None:
+        """Create the output folder, the settings and the row log, on first use."""
+        if self.log is not None:
+            return
+        _make_out_dir(self.out)
+        _write_manifest(self.out, {"complete": False, "settings": self.settings})
+        self.log = manifest.RowLog(
+            manifest.log_path(self.out, self.context.rank, self.context.world_size)
         )
+        for row in self.failures:  # inputs that failed before the folder existed
+            self.log.append(row)
+
+    def _write(self, result: ImageResult) -> None:
+        """Draw and write one image's files, then its row (runs on a writer thread)."""
+        item = self.items[result.index]
+        ranks = len(result.explained)
+        explained = []
+        for rank, (prediction, heatmap) in enumerate(
+            zip(result.explained, result.heatmaps, strict=True)
+        ):
+            stem = item.name if ranks == 1 else f"{item.name}_rank{rank + 1}"
+            files = self._write_files(stem, item, result, prediction, heatmap)
+            explained.append({**_prediction(prediction), "files": files})
+        self.log.append(_row(item, result, explained))
+
+    def _write_files(
+        self,
+        stem: str,
+        item: Item,
+        result: ImageResult,
+        prediction: Prediction,
+        heatmap: torch.Tensor,
+    ) -> dict[str, str]:
+        files = {}
+        alpha, colormap = self.render.alpha, self.render.colormap
+        if self.outputs.overlay:
+            files["overlay"] = f"{stem}_overlay.png"
+            _save_png(overlay(result.image, heatmap, alpha, colormap), self.out / files["overlay"])
+        if self.outputs.panel and item.frame is None:
+            files["panel"] = f"{stem}_panel.png"
+            shown = (
+                f"p={prediction.probability:.2f}"
+                if prediction.probability is not None
+                else f"score {prediction.score:.2f}"
+            )
+            layers = ", ".join(result.layers)
+            title = f"{prediction.name}: {shown} ({result.method}, layer {layers})"
+            with _FIGURES:
+                figure = panel(result.image, heatmap, title=title, alpha=alpha, colormap=colormap)
+                save(figure, self.out / files["panel"])
+        if self.outputs.heatmap is not None:
+            suffix = ".npz" if self.outputs.heatmap == "npz" else ".png"
+            files["heatmap"] = f"{stem}_heatmap{suffix}"
+            save_heatmap(heatmap, self.out / files["heatmap"])
+        return files
+
+
+def save_heatmap(heatmap: torch.Tensor, path: PathLike) -> Path:
+    """Write a ``(H, W)`` map in ``[0, 1]``, atomically, as ``.npz`` or 16-bit ``.png``.
+
+    ``.npz`` keeps the float32 values under the key ``heatmap`` (``np.load(path)["heatmap"]``);
+    ``.png`` stores ``round(value * 65535)`` as 16-bit grey, 1/65535 apart from the values.
+    """
+    path = Path(path)
+    values = heatmap.detach().to("cpu", torch.float32).numpy()
+    with atomic_write(path) as file:
+        if path.suffix == ".npz":
+            np.savez_compressed(file, heatmap=values)
+        else:
+            levels = np.rint(np.clip(values, 0, 1) * 65535).astype(np.uint16)
+            Image.fromarray(levels).save(file, format="PNG")
+    return path
+
+
+def _save_png(image: Image.Image, path: Path) -> None:
+    with atomic_write(path) as file:
+        image.save(file, format="PNG", compress_level=_PNG_LEVEL)
+
+
+def _prediction(prediction: Prediction) -> dict[str, Any]:
     return {
-        "input": str(path),
-        "size": list(image.size),
-        "top5": [
-            {"id": int(i), "name": _class_name(loaded, int(i)), "probability": float(p)}
-            for p, i in zip(top.values, top.indices, strict=True)
-        ],
+        "id": prediction.id,
+        "name": prediction.name,
+        "score": prediction.score,
+        "probability": prediction.probability,
+    }
+
+
+def _row(item: Item, result: ImageResult, explained: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest row of one input (see the module docstring)."""
+    top = [_prediction(prediction) for prediction in result.top]
+    return {
+        "input": item.path,
+        "frame": item.frame,
+        "status": result.status,
+        "reason": result.reason,
+        "size": None if result.size is None else list(result.size),
+        "prediction": top[0] if top else None,
+        "top5": top,
         "explained": explained,
         "files": [name for entry in explained for name in entry["files"].values()],
+        "layers": result.layers,
+        "seconds": round(result.seconds, 4),
     }
 
 
-def _class_name(loaded: LoadedModel, class_id: int) -> str:
-    if 0 <= class_id < len(loaded.categories):
-        return loaded.categories[class_id]
-    return "custom target" if class_id < 0 else f"class {class_id}"
+def _settings(
+    loaded: LoadedModel,
+    method: str,
+    layer: str | Sequence[str] | None,
+    target: Target,
+    render: RenderOptions,
+    outputs: Outputs,
+) -> dict[str, Any]:
+    """What decides the results; a resumed run must match it (as stored in JSON)."""
+    settings = {
+        "model": loaded.name,
+        "classes": len(loaded.categories),
+        "method": method,
+        "layer": layer if isinstance(layer, (str, type(None))) else list(layer),
+        "target": _target_text(target),
+        "alpha": render.alpha,
+        "colormap": render.colormap,
+        "overlay": outputs.overlay,
+        "panel": outputs.panel,
+        "heatmap": outputs.heatmap,
+    }
+    return json.loads(json.dumps(settings))
 
 
-def _unique_stems(paths: Sequence[str | Path]) -> list[str]:
-    """File stems, with ``-2``, ``-3`` added where two inputs share one."""
-    seen: dict[str, int] = {}
-    stems = []
-    for path in paths:
-        stem = Path(path).stem
-        seen[stem] = seen.get(stem, 0) + 1
-        stems.append(stem if seen[stem] == 1 else f"{stem}-{seen[stem]}")
-    return stems
+def _target_text(target: Target) -> int | str | None:
+    return target if isinstance(target, (int, str, type(None))) else repr(target)
+
+
+def _check_settings(out: Path, settings: dict[str, Any]) -> None:
+    """Refuse to resume into a folder whose results were made with other settings."""
+    previous = _read_manifest(out)
+    if previous is None:
+        return
+    stored = previous.get("settings")
+    if stored == settings:
+        return
+    differences = (
+        [
+            f"{key} {stored.get(key)!r} there, {value!r} now"
+            for key, value in settings.items()
+            if stored.get(key) != value
+        ]
+        if isinstance(stored, dict)
+        else ["it has no camviz settings"]
+    )
+    raise CamvizError(
+        f"{out} holds the results of another run ({'; '.join(differences)}); pass another "
+        "--out, or delete that folder to start again"
+    )
+
+
+def _read_manifest(out: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _write_manifest(out: Path, content: dict[str, Any]) -> None:
+    with atomic_write(out / MANIFEST, "w") as file:
+        file.write(json.dumps(content, indent=2) + "\n")
+
+
+def _finish(out: Path, items: list[Item], settings: dict[str, Any], every: int) -> None:
+    """Merge the rows, write the overlay videos and the complete ``manifest.json``."""
+    rows = manifest.merge(out, [item.key for item in items])
+    explained = [row for row in rows if row["status"] == "ok"]
+    videos = _write_videos(out, items, rows, every) if settings["overlay"] else []
+    _write_manifest(
+        out,
+        {
+            "model": settings["model"],
+            "method": settings["method"],
+            "layers": explained[0]["layers"] if explained else None,
+            "target": settings["target"],
+            "complete": True,
+            "counts": {"ok": len(explained), "error": len(rows) - len(explained)},
+            "settings": settings,
+            "images": rows,
+            "videos": videos,
+        },
+    )
+
+
+def _write_videos(
+    out: Path, items: list[Item], rows: list[dict[str, Any]], every: int
+) -> list[dict[str, Any]]:
+    """One overlay video per input video, from its explained frames' overlays, in order."""
+    by_key = {manifest.row_key(row): row for row in rows}
+    frames: dict[str, tuple[str, list[str]]] = {}  # video name -> (path, overlay files)
+    for item in items:
+        row = by_key.get(item.key)
+        if item.video is None or row is None or row["status"] != "ok":
+            continue
+        frames.setdefault(item.video, (item.path, []))[1].append(
+            row["explained"][0]["files"]["overlay"]
+        )
+    videos = []
+    for name, (path, overlays) in frames.items():
+        video = f"{name}_overlay{VIDEO_SUFFIX}"
+        count = write_video(
+            (out / overlay_file for overlay_file in overlays),
+            out / video,
+            frame_rate(path) / every,
+        )
+        videos.append({"input": path, "frames": count, "every": every, "file": video})
+    return videos
 
 
 def _check_out_dir(out: Path) -> None:

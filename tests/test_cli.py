@@ -46,7 +46,7 @@ def test_explain_writes_overlays_panels_and_manifest(explained, cat_path, coffee
         with Image.open(overlay_path) as overlay, Image.open(photo) as original:
             assert overlay.size == original.size
     assert sorted(path.name for path in out.iterdir()) == sorted(
-        ["manifest.json", *cat["files"], *coffee["files"]]
+        ["manifest.json", "manifest.jsonl", *cat["files"], *coffee["files"]]
     )
 
 
@@ -87,7 +87,8 @@ def bad_image(tmp_path: Path) -> Path:
     ("make_args", "message"),
     [
         (lambda tmp, cat: [str(tmp / "missing.png")], "missing.png"),
-        (lambda tmp, cat: [str(cat), str(bad_image(tmp))], "notes.jpg"),
+        (lambda tmp, cat: [str(bad_image(tmp))], "notes.jpg"),
+        (lambda tmp, cat: [str(bad_image(tmp)), str(tmp / "missing.png")], "notes.jpg"),
         (lambda tmp, cat: [str(cat), "--model", "resnet5"], "resnet50"),
         (lambda tmp, cat: [str(cat), "--layer", "bn3"], "no layer named 'bn3'"),
         (lambda tmp, cat: [str(cat), "--target", "1000"], "class id 1000 is out of range"),
@@ -105,6 +106,21 @@ def test_bad_input_gives_one_line_and_no_files(tmp_path, cat_path, capsys, make_
     assert error.startswith("camviz: error: ") and error.count("\n") == 1, error
     assert message in error
     assert not out.exists()
+
+
+def test_unreadable_image_among_good_ones_is_skipped_and_listed(
+    tmp_path, cat_path, tiny_checkpoint, capsys
+):
+    out = tmp_path / "out"
+    notes = bad_image(tmp_path)
+    args = [str(cat_path), str(notes), "--model", "resnet18", "--weights", tiny_checkpoint]
+    assert main(["explain", *args, "--no-panel", "--out", str(out)]) == 0
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith(f"camviz: skipped {notes}: ")
+    cat, notes_row = json.loads((out / "manifest.json").read_text())["images"]
+    assert cat["status"] == "ok" and cat["files"] == ["chelsea_overlay.png"]
+    assert notes_row["status"] == "error" and "not an image" in notes_row["reason"]
+    assert notes_row["files"] == [] and not list(out.glob("notes*"))
 
 
 def test_unwritable_output_folder(tmp_path, cat_path, capsys):

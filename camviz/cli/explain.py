@@ -1,21 +1,34 @@
-"""``camviz explain``: heatmap overlays, panels and a manifest for image files."""
+"""``camviz explain``: heatmap overlays, panels and a manifest for images, folders and videos."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from camviz.cli.options import add_model_options
+
+# Skipped inputs listed on stderr; the manifest has them all.
+_LISTED_FAILURES = 10
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "explain",
-        help="explain images with a CAM method",
+        help="explain images, folders or videos with a CAM method",
         description="Write, per image, a heatmap overlay at the photo's size and a panel "
-        "(image | heatmap | overlay), and a manifest.json with the top-5 predictions, the "
-        "explained class and the files written.",
+        "(image | heatmap | overlay), one row per image in manifest.jsonl and a summary in "
+        "manifest.json. Unreadable inputs are skipped and listed. Running again with the same "
+        "--out resumes. Under torchrun (torchrun --nproc_per_node=N -m camviz explain ...) "
+        "the processes share the inputs.",
     )
-    parser.add_argument("images", nargs="+", metavar="IMAGE", help="image files")
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="image files, folders (searched recursively), glob patterns, .txt files listing "
+        "paths, or videos",
+    )
     add_model_options(parser)
     parser.add_argument("--layer", default=None, help="target layer (see `camviz layers`)")
     parser.add_argument(
@@ -31,27 +44,116 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--alpha", type=float, default=0.5, help="heatmap weight in the overlay, 0..1"
     )
     parser.add_argument("--colormap", default="jet", help="matplotlib colour map name")
+    parser.add_argument(
+        "--overlay",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write the overlay (and, for videos, the overlay video)",
+    )
+    parser.add_argument(
+        "--panel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write the image | heatmap | overlay panel (still images only)",
+    )
+    parser.add_argument(
+        "--heatmap",
+        choices=("npz", "png16"),
+        default=None,
+        help="also write the raw heatmap, as compressed float32 .npz or 16-bit .png",
+    )
+    parser.add_argument(
+        "--batch-size", type=_positive, default=16, metavar="N", help="images per batch"
+    )
+    parser.add_argument(
+        "--workers",
+        type=_not_negative,
+        default=min(4, max(0, (os.cpu_count() or 1) - 1)),
+        metavar="N",
+        help="processes that decode images (0: decode in the main process)",
+    )
+    parser.add_argument(
+        "--every", type=_positive, default=1, metavar="N", help="explain every N-th video frame"
+    )
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="where the model runs (cpu, cuda, cuda:1); default: this process's GPU if any",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
 
 
+def _positive(text: str) -> int:
+    value = _not_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _not_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must not be negative")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from camviz import distributed
     from camviz.cli.options import load_model
-    from camviz.files import RenderOptions, explain_files
+    from camviz.errors import CamvizError
+    from camviz.files import Outputs, RenderOptions, explain_files
     from camviz.render import check_render_options
 
     check_render_options(args.alpha, args.colormap)
+    outputs = Outputs(overlay=args.overlay, panel=args.panel, heatmap=args.heatmap)
     target = int(args.target) if args.target.lstrip("-").isdigit() else args.target
+    context = distributed.from_environment()
+    try:
+        device = torch.device(args.device) if args.device else distributed.device(context)
+    except RuntimeError:
+        raise CamvizError(f"unknown device {args.device!r}; use cpu, cuda or cuda:N") from None
     loaded = load_model(args)
+    loaded.model.to(device)
     manifest = explain_files(
-        args.images,
+        args.inputs,
         args.out,
         loaded,
         method=args.method,
         layer=args.layer,
         target=target,
         render=RenderOptions(alpha=args.alpha, colormap=args.colormap),
+        outputs=outputs,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        every=args.every,
+        progress=False if args.quiet else None,
     )
-    for entry in manifest["images"]:
-        best = entry["explained"][0]
-        print(f"{entry['input']}: {best['name']} -> {args.out}/{best['files']['overlay']}")
+    if context.is_main:
+        _report(manifest, args.out)
     return 0
+
+
+def _report(manifest: dict, out: str) -> None:
+    """Skipped inputs on stderr (the first few), one summary line on stdout."""
+    failed = [row for row in manifest["images"] if row["status"] != "ok"]
+    for row in failed[:_LISTED_FAILURES]:
+        frame = "" if row["frame"] is None else f" frame {row['frame']}"
+        print(f"camviz: skipped {row['input']}{frame}: {row['reason']}", file=sys.stderr)
+    if len(failed) > _LISTED_FAILURES:
+        print(
+            f"camviz: ... and {len(failed) - _LISTED_FAILURES} more skipped; see "
+            f"{os.path.join(out, 'manifest.jsonl')}",
+            file=sys.stderr,
+        )
+    counts = manifest["counts"]
+    videos = "".join(f", {video['file']}" for video in manifest["videos"])
+    print(
+        f"explained {counts['ok']} of {counts['ok'] + counts['error']} inputs -> "
+        f"{os.path.join(out, 'manifest.json')}{videos}"
+    )

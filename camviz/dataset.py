@@ -1,0 +1,491 @@
+"""Explain many images: DataLoader workers decode, the model explains in batches, lazily.
+
+:func:`explain_dataset` is a generator: it holds one batch (and a few waiting images) at a
+time, so a notebook can walk through 100 000 images and keep only what it wants.
+
+**Images of different sizes.** A model's preprocessing keeps the aspect ratio (the shorter
+side becomes 224), so a 4:3 photo and a 3:2 photo become tensors of different widths, which
+cannot be stacked. Decoded images are therefore collected in *buckets*, one per tensor
+shape, and a bucket is explained when it holds a full batch. A typical dataset has a few
+shapes, so nearly every batch is full. Padding to a common size was rejected: the model
+would see (and the CAM explain) the padding, and a result would depend on which images
+happened to share its batch. Squashing every image to a square was rejected as the default
+for the same reason the preprocessing keeps the aspect ratio (the model sees the photo as
+it is); a model whose ``Preprocess`` has ``resize="square"`` gets one bucket anyway. Each
+heatmap therefore covers exactly its whole photo, and stretching it to the photo's size
+(as :func:`camviz.render.overlay` does) lays it on the photo exactly. When many shapes
+wait at once, the fullest bucket is explained early, so memory stays bounded.
+
+**Unreadable inputs** (a corrupt file, a text file named ``.jpg``, a missing frame) do not
+stop the run: they come out as results with ``status == "error"`` and the reason.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from camviz.cams.engine import explain
+from camviz.errors import CamvizError, first_line
+from camviz.images import MAX_PIXELS, PathLike, Preprocess, load_image
+from camviz.inputs import Item, expand
+from camviz.models import LoadedModel
+from camviz.targets import Target, as_logits
+from camviz.video import FrameReader
+
+#: How many predictions each result keeps, best first.
+TOP_PREDICTIONS = 5
+
+# Images that may wait in buckets, in batches: bounds memory when many shapes are mixed.
+_WAITING_BATCHES = 4
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One class's score for one image.
+
+    Attributes:
+        id: The class index (``-1`` for a callable target).
+        name: The class name (``"class 7"`` when the model has no names for its classes).
+        score: The logit.
+        probability: Its softmax probability, or ``None`` when the output is not a
+            ``(N, classes)`` score table or the target is a callable.
+    """
+
+    id: int
+    name: str
+    score: float
+    probability: float | None
+
+
+@dataclass
+class ImageResult:
+    """What :func:`explain_dataset` yields for one input.
+
+    Attributes:
+        index: The input's position in the dataset (or in the expanded list of paths).
+        path: The file, for inputs given as paths; ``None`` for a ``Dataset``.
+        frame: The video frame index, or ``None``.
+        status: ``"ok"``, or ``"error"`` when the input could not be read or explained.
+        reason: Why it failed (one line), for an error.
+        image: The original image, upright RGB (``None`` for errors, for tensor inputs and
+            with ``keep_images=False``).
+        size: The original image's ``(width, height)`` (``None`` for errors and tensors).
+        heatmaps: ``(K, H, W)`` maps in ``[0, 1]`` at the model's input size, one per
+            explained class; resize one to ``image.size`` to lay it on the photo.
+        explained: The ``K`` explained classes with their scores, in rank order.
+        top: The best :data:`TOP_PREDICTIONS` classes, best first.
+        seconds: Time spent on this input: its decoding plus its share of its batch.
+        method: The CAM method's name.
+        layers: The target layer names.
+    """
+
+    index: int
+    path: str | None
+    frame: int | None
+    status: Literal["ok", "error"]
+    reason: str | None = None
+    image: Image.Image | None = None
+    size: tuple[int, int] | None = None
+    heatmaps: torch.Tensor | None = None
+    explained: list[Prediction] = field(default_factory=list)
+    top: list[Prediction] = field(default_factory=list)
+    seconds: float = 0.0
+    method: str | None = None
+    layers: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Whether the input was explained."""
+        return self.status == "ok"
+
+
+class ItemDataset(Dataset):
+    """Reads :class:`~camviz.inputs.Item` s: image files, and frames of videos.
+
+    ``dataset[i]`` is the upright RGB image of item ``i``; an unreadable one raises a
+    :class:`~camviz.errors.CamvizError` saying why.
+    """
+
+    def __init__(self, items: Sequence[Item], *, max_pixels: int | None = MAX_PIXELS) -> None:
+        self.items = list(items)
+        self.max_pixels = max_pixels
+        self._frames = FrameReader()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> Image.Image:
+        item = self.items[index]
+        if item.reason is not None:
+            raise CamvizError(item.reason)
+        if item.frame is not None:
+            return self._frames.read(item.path, item.frame)
+        return load_image(item.path, max_pixels=self.max_pixels)
+
+    def close(self) -> None:
+        """Release the videos this process has open."""
+        self._frames.close()
+
+
+@dataclass
+class _Sample:
+    """One decoded input, as a worker hands it over (tensors cross in shared memory)."""
+
+    index: int
+    inputs: torch.Tensor | None = None
+    original: torch.Tensor | None = None  # (H, W, 3) uint8
+    size: tuple[int, int] | None = None  # the original's (width, height)
+    reason: str | None = None
+    seconds: float = 0.0
+
+
+class _Prepared(Dataset):
+    """Wraps a dataset so that a worker returns a preprocessed :class:`_Sample`."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        preprocess: Callable[[Image.Image], torch.Tensor],
+        keep_images: bool,
+    ) -> None:
+        self.dataset = dataset
+        self.preprocess = preprocess
+        self.keep_images = keep_images
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> _Sample:
+        started = time.perf_counter()
+        try:
+            data = self.dataset[index]
+            if isinstance(data, (tuple, list)):
+                data = data[0]  # (image, label) pairs, as torchvision datasets give them
+            if isinstance(data, torch.Tensor):
+                sample = _Sample(index, inputs=data)
+            elif isinstance(data, Image.Image):
+                rgb = data if data.mode == "RGB" else data.convert("RGB")
+                original = torch.from_numpy(np.array(rgb)) if self.keep_images else None
+                sample = _Sample(
+                    index, inputs=self.preprocess(rgb), original=original, size=rgb.size
+                )
+            else:
+                raise CamvizError(
+                    f"item {index} of the dataset is a {type(data).__name__}; a dataset must "
+                    "give PIL images or preprocessed (C, H, W) tensors"
+                )
+        except (CamvizError, OSError) as error:
+            sample = _Sample(index, reason=first_line(error))
+        sample.seconds = time.perf_counter() - started
+        return sample
+
+
+def explain_dataset(
+    model: nn.Module | LoadedModel,
+    data: Dataset | PathLike | Iterable[PathLike],
+    *,
+    preprocess: Callable[[Image.Image], torch.Tensor] | None = None,
+    method: str = "gradcam",
+    layer: str | Sequence[str] | None = None,
+    target: Target = None,
+    batch_size: int = 16,
+    workers: int = 0,
+    every: int = 1,
+    indices: Iterable[int] | None = None,
+    keep_images: bool = True,
+    max_pixels: int | None = MAX_PIXELS,
+    progress: bool | None = False,
+    **options: Any,
+) -> Iterator[ImageResult]:
+    """Explain every image of a folder, a list of files, a video or a ``Dataset``, lazily.
+
+    Example:
+        >>> loaded = camviz.models.load()
+        >>> for result in camviz.explain_dataset(loaded, "val/", batch_size=32, workers=4):
+        ...     if result.ok and result.explained[0].id != label_of(result.path):
+        ...         camviz.save(camviz.overlay(result.image, result.heatmaps[0]), ...)
+
+    Args:
+        model: A model from :func:`camviz.models.load` (its preprocessing, class names and
+            default layer are used), or any ``nn.Module`` classifier. It is handed back as
+            it came; move it to the GPU first to explain there.
+        data: Paths (files, folders, globs, path lists, videos; see :mod:`camviz.inputs`),
+            or a ``Dataset`` giving PIL images, preprocessed ``(C, H, W)`` tensors, or
+            ``(image, label)`` pairs (``torchvision.datasets.ImageFolder(root)`` works).
+        preprocess: PIL image to ``(3, H, W)`` tensor; by default the loaded model's, or
+            ImageNet's :class:`~camviz.images.Preprocess` for a plain module.
+        method: A CAM method name (:func:`camviz.cams.names`).
+        layer: Target layer name(s); ``None`` uses the loaded model's default, or finds one.
+        target: What to explain, as in :func:`camviz.explain` (class id, ``"top3"``, ...).
+        batch_size: Images per forward pass.
+        workers: DataLoader worker processes that decode and preprocess; 0 reads in this
+            process.
+        every: For videos, explain every ``every``-th frame.
+        indices: Explain only these positions of the dataset, in this order (one shard of
+            a distributed run, or what is left to do).
+        keep_images: Give each result its original image (needed to draw overlays).
+        max_pixels: Larger images are refused (see :func:`camviz.images.load_image`).
+        progress: A tqdm progress bar on stderr with images/s and the time left: ``True``,
+            ``False``, or ``None`` for "when stderr is a terminal".
+        **options: Passed to :func:`camviz.explain` (``output_key=``, ``aug_smooth=``,
+            method options).
+
+    Returns:
+        A generator of :class:`ImageResult`, one per input. Results come as their batch
+        finishes, so not in input order; ``result.index`` says which input each one is.
+        Unreadable inputs give results with ``status == "error"``.
+
+    Raises:
+        CamvizError: A bad argument, or no input found; a mistake in ``method``, ``layer``
+            or ``target`` is raised when the first batch is explained.
+    """
+    if isinstance(model, LoadedModel):
+        network, categories = model.model, model.categories
+        preprocess = preprocess if preprocess is not None else model.preprocess
+        layer = layer if layer is not None else model.default_layer
+    elif isinstance(model, nn.Module):
+        network, categories = model, None
+        preprocess = preprocess if preprocess is not None else Preprocess()
+    else:
+        raise CamvizError(
+            f"model must be an nn.Module or a camviz.models.load() result, not "
+            f"{type(model).__name__}"
+        )
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise CamvizError(f"batch_size must be a positive integer, not {batch_size!r}")
+    if not isinstance(workers, int) or workers < 0:
+        raise CamvizError(f"workers must be 0 or more, not {workers!r}")
+    if not isinstance(data, Dataset):
+        items = expand(data, every=every)
+        if not items:
+            raise CamvizError("no image or video found in the inputs; check the paths")
+        data = ItemDataset(items, max_pixels=max_pixels)
+    items = data.items if isinstance(data, ItemDataset) else None
+    order = list(range(len(data))) if indices is None else list(indices)
+    explainer = _BatchExplainer(network, categories, method, layer, target, options)
+    loader = DataLoader(
+        _Prepared(data, preprocess, keep_images),
+        batch_size=batch_size,
+        sampler=order,
+        num_workers=workers,
+        collate_fn=list,
+    )
+    return _explained(loader, explainer, items, batch_size, len(order), progress)
+
+
+def _explained(
+    loader: DataLoader,
+    explainer: _BatchExplainer,
+    items: list[Item] | None,
+    batch_size: int,
+    total: int,
+    progress: bool | None,
+) -> Iterator[ImageResult]:
+    from tqdm import tqdm
+
+    buckets = _Buckets(batch_size)
+    batches = iter(loader)  # forks the workers before tqdm starts its monitor thread
+    bar = tqdm(
+        total=total,
+        unit="img",
+        file=sys.stderr,
+        disable=None if progress is None else not progress,
+        smoothing=0.1,
+    )
+    try:
+        for samples in batches:
+            for sample in samples:
+                if sample.reason is not None:
+                    bar.update(1)
+                    yield _failed(sample, sample.reason, items)
+                    continue
+                for result in explainer(buckets.add(sample), items):
+                    bar.update(1)
+                    yield result
+        for ready in buckets.drain():
+            for result in explainer(ready, items):
+                bar.update(1)
+                yield result
+    finally:
+        bar.close()
+        del batches  # shuts the workers down, also when the consumer stops early
+        if isinstance(loader.dataset.dataset, ItemDataset):
+            loader.dataset.dataset.close()
+
+
+class _Buckets:
+    """Decoded images waiting for a batch, one bucket per tensor shape (module docstring)."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.capacity = _WAITING_BATCHES * batch_size
+        self.by_shape: dict[tuple[int, ...], list[_Sample]] = {}
+        self.waiting = 0
+
+    def add(self, sample: _Sample) -> list[_Sample]:
+        """Add ``sample``; returns a batch that is ready (full, or needed to free memory)."""
+        shape = tuple(sample.inputs.shape)
+        self.by_shape.setdefault(shape, []).append(sample)
+        self.waiting += 1
+        if len(self.by_shape[shape]) == self.batch_size:
+            return self._take(shape)
+        if self.waiting > self.capacity:
+            return self._take(max(self.by_shape, key=lambda key: len(self.by_shape[key])))
+        return []
+
+    def drain(self) -> Iterator[list[_Sample]]:
+        """The remaining partial batches."""
+        while self.by_shape:
+            yield self._take(next(iter(self.by_shape)))
+
+    def _take(self, shape: tuple[int, ...]) -> list[_Sample]:
+        batch = self.by_shape.pop(shape)
+        self.waiting -= len(batch)
+        return batch
+
+
+class _BatchExplainer:
+    """Explains one batch of samples and turns the explanation into per-image results."""
+
+    def __init__(
+        self,
+        network: nn.Module,
+        categories: Sequence[str] | None,
+        method: str,
+        layer: str | Sequence[str] | None,
+        target: Target,
+        options: dict[str, Any],
+    ) -> None:
+        self.network = network
+        self.categories = categories
+        self.method = method
+        self.layer = layer
+        self.target = target
+        self.options = options
+
+    def __call__(self, samples: list[_Sample], items: list[Item] | None) -> list[ImageResult]:
+        if not samples:
+            return []
+        started = time.perf_counter()
+        try:
+            explanation = explain(
+                self.network,
+                torch.stack([sample.inputs for sample in samples]),
+                self.method,
+                self.layer,
+                self.target,
+                **self.options,
+            )
+        except (RuntimeError, ValueError, AssertionError) as error:
+            # A model that fails on some input (an odd size, out of memory on a big batch)
+            # fails one image, not the run: the batch is retried one image at a time.
+            if len(samples) > 1:
+                return [result for sample in samples for result in self([sample], items)]
+            reason = f"the model failed on this input ({first_line(error)})"
+            return [_failed(samples[0], reason, items)]
+        share = (time.perf_counter() - started) / len(samples)
+        return self._results(samples, explanation, share, items)
+
+    def _results(
+        self, samples: list[_Sample], explanation: Any, share: float, items: list[Item] | None
+    ) -> list[ImageResult]:
+        logits = as_logits(explanation.output, self.options.get("output_key")).detach().float()
+        table = logits.dim() == 2  # (N, classes): probabilities and a top list make sense
+        probabilities = logits.softmax(-1).cpu() if table else None
+        if table:
+            best = probabilities.topk(min(TOP_PREDICTIONS, logits.shape[-1]), dim=-1)
+            top_ids, top_probabilities = best.indices.tolist(), best.values.tolist()
+            top_scores = logits.cpu().gather(1, best.indices).tolist()
+        ranks = len(explanation.targets) // len(samples)
+        targets = explanation.targets.tolist()
+        scores = explanation.scores.tolist()
+        heatmaps = explanation.heatmaps.detach().cpu()
+        results = []
+        for position, sample in enumerate(samples):
+            rows = range(position * ranks, (position + 1) * ranks)
+            explained = [
+                Prediction(
+                    id=targets[row],
+                    name=self._name(targets[row]),
+                    score=scores[row],
+                    probability=(
+                        float(probabilities[position, targets[row]])
+                        if table and targets[row] >= 0
+                        else None
+                    ),
+                )
+                for row in rows
+            ]
+            top = (
+                [
+                    Prediction(class_id, self._name(class_id), score, probability)
+                    for class_id, score, probability in zip(
+                        top_ids[position],
+                        top_scores[position],
+                        top_probabilities[position],
+                        strict=True,
+                    )
+                ]
+                if table
+                else []
+            )
+            results.append(
+                ImageResult(
+                    index=sample.index,
+                    path=_path(items, sample.index),
+                    frame=_frame(items, sample.index),
+                    status="ok",
+                    image=None
+                    if sample.original is None
+                    else Image.fromarray(sample.original.numpy()),
+                    size=sample.size,
+                    heatmaps=heatmaps[rows.start : rows.stop].clone(),
+                    explained=explained,
+                    top=top,
+                    seconds=sample.seconds + share,
+                    method=explanation.method,
+                    layers=list(explanation.layers),
+                )
+            )
+        return results
+
+    def _name(self, class_id: int) -> str:
+        return class_name(self.categories, class_id)
+
+
+def class_name(categories: Sequence[str] | None, class_id: int) -> str:
+    """The name of class ``class_id``: from ``categories``, or ``"class 7"``."""
+    if class_id < 0:
+        return "custom target"
+    if categories is not None and class_id < len(categories):
+        return categories[class_id]
+    return f"class {class_id}"
+
+
+def _failed(sample: _Sample, reason: str, items: list[Item] | None) -> ImageResult:
+    return ImageResult(
+        index=sample.index,
+        path=_path(items, sample.index),
+        frame=_frame(items, sample.index),
+        status="error",
+        reason=reason,
+        seconds=sample.seconds,
+    )
+
+
+def _path(items: list[Item] | None, index: int) -> str | None:
+    return None if items is None else items[index].path
+
+
+def _frame(items: list[Item] | None, index: int) -> int | None:
+    return None if items is None else items[index].frame

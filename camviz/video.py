@@ -1,0 +1,177 @@
+"""Read video frames and write overlay videos with OpenCV.
+
+Frames are read with ``cv2.VideoCapture``. A :class:`FrameReader` keeps each video open
+between calls and reads forward when the next frame asked for lies a little ahead (the
+usual case: a DataLoader worker gets consecutive frames), because seeking makes the decoder
+start again from the previous key frame.
+
+The overlay video is written with ``cv2.VideoWriter`` (MPEG-4 Part 2, ``mp4v``, which every
+OpenCV build with FFmpeg can encode; H.264 encoders are often missing) to a temporary file
+that replaces the target only when complete, like every other camviz output.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from camviz.errors import CamvizError
+
+#: Codec for each video container camviz writes.
+FOURCC = {".mp4": "mp4v", ".avi": "MJPG"}
+
+# Reading this many frames forward is cheaper than a seek, which decodes from a key frame.
+_READ_AHEAD = 64
+
+# Videos a reader keeps open at once (each holds a decoder and a file handle).
+_OPEN_VIDEOS = 4
+
+
+def _cv2() -> Any:
+    import cv2
+
+    return cv2
+
+
+def _open(path: str | os.PathLike[str]) -> Any:
+    cv2 = _cv2()
+    capture = cv2.VideoCapture(os.fspath(path))
+    if not capture.isOpened():
+        capture.release()
+        reason = "file not found" if not Path(path).exists() else "not a video OpenCV can read"
+        raise CamvizError(f"cannot open video {path} ({reason}); check the file or convert it")
+    return capture
+
+
+def frame_count(path: str | os.PathLike[str]) -> int:
+    """The number of frames in a video.
+
+    The container's count is used when it gives one; otherwise (some streams, some AVI
+    files) the frames are counted by reading through the file.
+
+    Raises:
+        CamvizError: OpenCV cannot open the file.
+    """
+    capture = _open(path)
+    try:
+        count = int(capture.get(_cv2().CAP_PROP_FRAME_COUNT))
+        if count <= 0:
+            count = 0
+            while capture.grab():
+                count += 1
+        return count
+    finally:
+        capture.release()
+
+
+def frame_rate(path: str | os.PathLike[str], default: float = 25.0) -> float:
+    """Frames per second of a video; ``default`` when the file does not say."""
+    capture = _open(path)
+    try:
+        fps = float(capture.get(_cv2().CAP_PROP_FPS))
+    finally:
+        capture.release()
+    return fps if fps > 0 else default
+
+
+class FrameReader:
+    """Reads single frames of videos as RGB images, keeping a few videos open between calls.
+
+    One reader per process: DataLoader workers each get their own copy of the dataset,
+    and with it their own reader, before any video is opened.
+    """
+
+    def __init__(self) -> None:
+        self._open: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # path -> (capture, next)
+
+    def read(self, path: str, index: int) -> Image.Image:
+        """Frame ``index`` (from 0) of the video at ``path``, as an RGB image.
+
+        Raises:
+            CamvizError: The video cannot be opened or has no frame ``index``.
+        """
+        capture, position = self._open.pop(path, (None, 0))
+        if capture is None:
+            capture, position = _open(path), 0
+            while len(self._open) >= _OPEN_VIDEOS:
+                self._open.popitem(last=False)[1][0].release()
+        if not position <= index <= position + _READ_AHEAD:
+            capture.set(_cv2().CAP_PROP_POS_FRAMES, index)
+            position = index
+        while position < index and capture.grab():
+            position += 1
+        ok, frame = capture.read() if position == index else (False, None)
+        if not ok:
+            capture.release()
+            raise CamvizError(f"cannot read frame {index} of {path}; the video may be truncated")
+        self._open[path] = (capture, index + 1)
+        return Image.fromarray(np.ascontiguousarray(frame[..., ::-1]))
+
+    def close(self) -> None:
+        """Release every open video."""
+        while self._open:
+            self._open.popitem()[1][0].release()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open captures cannot cross a process boundary; a copy starts with none.
+        return {"_open": OrderedDict()}
+
+
+def write_video(
+    frames: Iterable[str | os.PathLike[str]], path: str | os.PathLike[str], fps: float
+) -> int:
+    """Write image files as the frames of a video, atomically.
+
+    Args:
+        frames: Image files, in order, all of one size.
+        path: The video to write; its extension picks the container (see :data:`FOURCC`).
+        fps: Frames per second.
+
+    Returns:
+        The number of frames written.
+
+    Raises:
+        CamvizError: An unknown extension, a frame of another size, or OpenCV cannot write.
+    """
+    cv2 = _cv2()
+    path = Path(path)
+    codec = FOURCC.get(path.suffix.lower())
+    if codec is None:
+        raise CamvizError(f"cannot write a {path.suffix!r} video; use one of {', '.join(FOURCC)}")
+    # VideoWriter picks the container from the name, so the temporary file keeps the suffix.
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp{path.suffix}")
+    writer = None
+    count = 0
+    try:
+        for frame_path in frames:
+            with Image.open(frame_path) as image:
+                pixels = np.asarray(image.convert("RGB"))[..., ::-1]
+            size = (pixels.shape[1], pixels.shape[0])
+            if writer is None:
+                writer = cv2.VideoWriter(str(temporary), cv2.VideoWriter.fourcc(*codec), fps, size)
+                if not writer.isOpened():
+                    raise CamvizError(f"OpenCV cannot write {path}; check the folder and codecs")
+                first_size = size
+            elif size != first_size:
+                raise CamvizError(
+                    f"frame {frame_path} is {size[0]}x{size[1]}, not {first_size[0]}x"
+                    f"{first_size[1]} like the first; a video's frames must share one size"
+                )
+            writer.write(np.ascontiguousarray(pixels))
+            count += 1
+        if writer is not None:
+            writer.release()
+            writer = None
+            os.replace(temporary, path)
+    finally:
+        if writer is not None:
+            writer.release()
+        temporary.unlink(missing_ok=True)
+    return count

@@ -1,0 +1,108 @@
+"""Write files on background threads, so that the model never waits for the disk.
+
+Encoding a PNG or drawing a figure takes about as long as explaining the image, and much
+of it (zlib, Agg, numpy) runs without the GIL, so a few threads overlap it with the next
+batch. The queue is bounded: when the writers fall behind, :meth:`Writer.submit` blocks and
+the model waits, instead of results piling up in memory.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+_STOP = None  # put on the queue once per thread to end it
+
+
+class Writer:
+    """A small pool of threads that run write jobs from a bounded queue.
+
+    Use it as a context manager: leaving the block normally waits for every job; leaving
+    it with an exception drops the jobs not yet started (each file is written atomically,
+    so nothing is left half-written either way).
+
+    The first exception a job raises is raised again in the submitting thread, by the next
+    :meth:`submit` or by :meth:`close`; later jobs are skipped.
+
+    Args:
+        threads: Writer threads.
+        queue_size: Jobs that may wait before :meth:`submit` blocks.
+    """
+
+    def __init__(self, threads: int = 2, queue_size: int = 32) -> None:
+        if threads < 1 or queue_size < 1:
+            raise ValueError("a Writer needs at least one thread and a queue of one")
+        self._jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._count = threads
+        self._threads: list[threading.Thread] = []
+        self._error: BaseException | None = None
+
+    def submit(self, job: Callable[..., Any], *args: Any) -> None:
+        """Queue ``job(*args)``; blocks while the queue is full.
+
+        Raises:
+            Exception: What an earlier job raised.
+        """
+        self._raise_error()
+        if not self._threads:
+            # Started on first use, so that a DataLoader forks its workers before any
+            # thread exists (a fork copies held locks, not the threads that hold them).
+            self._threads = [
+                threading.Thread(target=self._work, name=f"camviz-writer-{number}", daemon=True)
+                for number in range(self._count)
+            ]
+            for thread in self._threads:
+                thread.start()
+        self._jobs.put((job, args))
+
+    def close(self) -> None:
+        """Wait for every queued job, then raise what a job raised, if anything."""
+        self._stop()
+        self._raise_error()
+
+    def cancel(self) -> None:
+        """Drop the jobs not yet started and wait for the running ones."""
+        while True:
+            try:
+                self._jobs.get_nowait()
+            except queue.Empty:
+                break
+        self._stop()
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.cancel()
+
+    def _stop(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(_STOP)
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+
+    def _work(self) -> None:
+        while (entry := self._jobs.get()) is not _STOP:
+            job, args = entry
+            if self._error is not None:
+                continue
+            try:
+                job(*args)
+            except BaseException as error:  # handed to the submitting thread
+                self._error = self._error or error
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error

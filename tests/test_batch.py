@@ -1,0 +1,326 @@
+"""Many images: input expansion, bucketed batches, the writer, manifests, skipping and resuming.
+
+Results of the batched pipeline are checked against :func:`camviz.explain` run on each image
+alone, so a mix-up between images, or a heatmap laid on the wrong photo, would show.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import camviz
+from camviz.cli import main
+from camviz.dataset import _Buckets, _Sample, explain_dataset
+from camviz.distributed import Context, shard
+from camviz.errors import CamvizError
+from camviz.files import save_heatmap
+from camviz.images import load_image
+from camviz.inputs import expand
+from camviz.writer import Writer
+
+MODEL = "mobilenet_v3_small"
+
+
+def model_args(weights: str) -> list[str]:
+    return ["--model", MODEL, "--weights", weights]
+
+
+# --- Inputs ------------------------------------------------------------------------------------
+
+
+def test_expand_folders_globs_lists_and_missing_inputs(tmp_path, make_photos):
+    make_photos(tmp_path / "data", {"cat/1.png": (8, 8), "dog/1.png": (8, 8), "dog/2.jpg": (8, 8)})
+    (tmp_path / "data" / "README.txt").write_text("not an input")
+    (tmp_path / "data" / ".hidden.png").write_bytes(b"")
+    (tmp_path / "data" / "out").mkdir()
+    (tmp_path / "data" / "out" / "old_overlay.png").write_bytes(b"")
+    listing = tmp_path / "list.txt"
+    listing.write_text("# chosen files\n\ndata/dog/2.jpg\ndata/cat/1.png\n")
+
+    folder = expand([tmp_path / "data"], exclude=tmp_path / "data" / "out")
+    assert [item.name for item in folder] == ["cat/1", "dog/1", "dog/2"]
+
+    mixed = expand(
+        [
+            str(listing),
+            str(tmp_path / "data" / "*" / "1.png"),
+            str(tmp_path / "nothing" / "*.png"),
+            str(tmp_path / "missing.png"),
+        ]
+    )
+    # The list's two files, then the glob's new match (cat/1.png only once), then failures.
+    assert [Path(item.path).relative_to(tmp_path).as_posix() for item in mixed[:3]] == [
+        "data/dog/2.jpg",
+        "data/cat/1.png",
+        "data/dog/1.png",
+    ]
+    assert [item.name for item in mixed[:3]] == ["2", "1", "1-2"]
+    assert [item.reason is None for item in mixed] == [True, True, True, False, False]
+    assert "no image or video matches" in mixed[3].reason
+    assert "not found" in mixed[4].reason
+    with pytest.raises(CamvizError, match="every"):
+        expand([tmp_path], every=0)
+
+
+def test_shards_cover_every_index_once():
+    for count in range(8):
+        for world_size in (1, 2, 3):
+            indices = list(range(100, 100 + count))
+            shards = [shard(indices, Context(rank, world_size, rank)) for rank in range(world_size)]
+            assert sorted(index for part in shards for index in part) == indices
+            assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+# --- Buckets, writer, heatmap files ------------------------------------------------------------
+
+
+def test_buckets_batch_equal_shapes_and_bound_what_waits():
+    def sample(index, width):
+        return _Sample(index, inputs=torch.zeros(3, 4, width))
+
+    buckets = _Buckets(batch_size=2)
+    assert buckets.add(sample(0, 5)) == [] and buckets.add(sample(1, 6)) == []
+    assert [s.index for s in buckets.add(sample(2, 5))] == [0, 2]
+    assert [[s.index for s in batch] for batch in buckets.drain()] == [[1]]
+    # Nine shapes, one image each: the ninth exceeds 4 batches' worth and one is let out.
+    released = [buckets.add(sample(index, 10 + index)) for index in range(9)]
+    assert [len(batch) for batch in released] == [0] * 8 + [1]
+    assert sum(len(batch) for batch in buckets.drain()) == 8
+
+
+def test_writer_reraises_a_failed_job_and_skips_the_rest():
+    done = []
+    lock = threading.Lock()
+
+    def job(value):
+        if value == 3:
+            raise CamvizError("disk full")
+        with lock:
+            done.append(value)
+
+    writer = Writer(threads=1, queue_size=2)
+    with pytest.raises(CamvizError, match="disk full"):
+        for value in range(50):
+            writer.submit(job, value)
+        writer.close()
+    writer.cancel()
+    assert sorted(done) == [0, 1, 2]
+
+
+def test_heatmap_files_hold_the_values(tmp_path):
+    heatmap = torch.tensor([[0.0, 0.5], [1.0, 0.25]])
+    save_heatmap(heatmap, tmp_path / "map.png")
+    save_heatmap(heatmap, tmp_path / "map.npz")
+    with Image.open(tmp_path / "map.png") as image:
+        levels = np.asarray(image)
+    assert levels.tolist() == [[0, 32768], [65535, 16384]]
+    assert np.array_equal(np.load(tmp_path / "map.npz")["heatmap"], heatmap.numpy())
+
+
+# --- explain_dataset ---------------------------------------------------------------------------
+
+
+class CountingDataset(torch.utils.data.Dataset):
+    """``(image, label)`` pairs that count how often they are read."""
+
+    def __init__(self, images):
+        self.images = images
+        self.reads = 0
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return self.images[index], index
+
+
+def test_explain_dataset_is_lazy_matches_single_images_and_leaves_model(
+    tmp_path, make_photos, untouched, tiny_mobilenet
+):
+    model = camviz.models.load(MODEL, weights=tiny_mobilenet).model.train()
+    model.features[0][0].weight.requires_grad_(False)
+    paths = make_photos(tmp_path, {f"{n}.png": (40, 30) if n < 4 else (30, 40) for n in range(6)})
+    dataset = CountingDataset([load_image(path) for path in paths])
+    preprocess = camviz.Preprocess(size=64)
+    with untouched(model):
+        results = explain_dataset(
+            model, dataset, preprocess=preprocess, layer="features", batch_size=2
+        )
+        first = next(results)
+        assert dataset.reads == 2  # one batch read, not the whole dataset
+        results.close()
+        everything = list(
+            explain_dataset(model, dataset, preprocess=preprocess, layer="features", batch_size=4)
+        )
+    assert first.ok and first.index in (0, 1)
+    assert sorted(result.index for result in everything) == list(range(6))
+    for result in everything:
+        inputs = preprocess(dataset.images[result.index])
+        alone = camviz.explain(model, inputs, layer="features")
+        with torch.no_grad():
+            probabilities = model.eval()(inputs[None]).softmax(-1)[0]
+        assert result.explained[0].id == int(alone.targets[0])
+        assert result.explained[0].probability == pytest.approx(
+            float(probabilities[alone.targets[0]]), abs=1e-5
+        )
+        assert torch.allclose(result.heatmaps[0], alone.heatmaps[0], atol=1e-5)
+        assert result.image.size == dataset.images[result.index].size == result.size
+        assert [p.id for p in result.top] == probabilities.topk(5).indices.tolist()
+
+
+# --- The folder job through the CLI ------------------------------------------------------------
+
+
+@pytest.fixture
+def mixed_folder(tmp_path, make_photos):
+    """Good photos of three shapes (one in a sub-folder), and three bad files."""
+    folder = tmp_path / "photos"
+    make_photos(
+        folder,
+        {"a.png": (40, 30), "b.jpg": (30, 40), "c.png": (40, 30), "sub/d.png": (32, 32)},
+    )
+    (folder / "corrupt.png").write_bytes((folder / "a.png").read_bytes()[:60])
+    (folder / "empty.png").write_bytes(b"")
+    (folder / "notes.jpg").write_text("this is not a picture")
+    (folder / "README.txt").write_text("not an input")
+    return folder
+
+
+def test_folder_with_bad_files_gives_a_row_for_each(mixed_folder, tmp_path, tiny_mobilenet):
+    out = tmp_path / "out"
+    args = [str(mixed_folder), *model_args(tiny_mobilenet), "--out", str(out)]
+    options = ["--batch-size", "2", "--workers", "1", "--heatmap", "npz", "--no-panel"]
+    assert main(["explain", *args, *options, "--quiet"]) == 0
+    summary = json.loads((out / "manifest.json").read_text())
+    rows = summary["images"]
+    assert [Path(row["input"]).relative_to(mixed_folder).as_posix() for row in rows] == [
+        "a.png",
+        "b.jpg",
+        "c.png",
+        "corrupt.png",
+        "empty.png",
+        "notes.jpg",
+        "sub/d.png",
+    ]
+    statuses = {Path(row["input"]).name: (row["status"], row["reason"]) for row in rows}
+    assert (
+        statuses["corrupt.png"][0] == "error"
+        and "truncated or corrupt" in statuses["corrupt.png"][1]
+    )
+    assert statuses["empty.png"][0] == "error" and "empty (0 bytes)" in statuses["empty.png"][1]
+    assert statuses["notes.jpg"][0] == "error" and "not an image" in statuses["notes.jpg"][1]
+    assert summary["complete"] and summary["counts"] == {"ok": 4, "error": 3}
+    assert [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()] == rows
+
+    loaded = camviz.models.load(MODEL, weights=tiny_mobilenet)
+    for row in rows:
+        if row["status"] != "ok":
+            assert row["files"] == [] and row["prediction"] is None
+            continue
+        image = load_image(row["input"])
+        inputs = loaded.preprocess(image)
+        alone = camviz.explain(loaded.model, inputs, layer="features")
+        with torch.no_grad():
+            probabilities = loaded.model(inputs[None]).softmax(-1)[0]
+        explained = row["explained"][0]
+        assert explained["id"] == row["prediction"]["id"] == int(alone.targets[0])
+        assert explained["probability"] == pytest.approx(
+            float(probabilities[explained["id"]]), abs=1e-5
+        )
+        stem = Path(row["input"]).relative_to(mixed_folder).with_suffix("").as_posix()
+        assert explained["files"] == {
+            "overlay": f"{stem}_overlay.png",
+            "heatmap": f"{stem}_heatmap.npz",
+        }
+        heatmap = np.load(out / explained["files"]["heatmap"])["heatmap"]
+        assert np.allclose(heatmap, alone.heatmaps[0].numpy(), atol=1e-5)
+        with Image.open(out / explained["files"]["overlay"]) as overlay:
+            assert overlay.size == image.size == tuple(row["size"])
+
+
+def test_resume_refuses_a_folder_made_with_other_settings(tmp_path, make_photos, tiny_mobilenet):
+    (photo,) = make_photos(tmp_path, {"a.png": (32, 32)})
+    out = tmp_path / "out"
+    common = [str(photo), *model_args(tiny_mobilenet), "--out", str(out), "--no-panel"]
+    assert main(["explain", *common, "--workers", "0"]) == 0
+    before = (out / "a_overlay.png").stat().st_mtime_ns
+    assert main(["explain", *common, "--workers", "0"]) == 0  # all done: nothing redone
+    assert (out / "a_overlay.png").stat().st_mtime_ns == before
+    assert main(["explain", *common, "--alpha", "0.7"]) == 1
+    assert (out / "a_overlay.png").stat().st_mtime_ns == before
+
+
+KILLED_RUN = """
+import os, signal, sys
+import camviz.files
+from camviz.cli import main
+from camviz.render import atomic_write
+
+saved = 0
+real_save = camviz.files._save_png
+
+def save_then_die(image, path):
+    # Die like a killed process: in the middle of writing the third overlay.
+    global saved
+    saved += 1
+    if saved < 3:
+        return real_save(image, path)
+    with atomic_write(path) as file:
+        file.write(b"half a PNG")
+        file.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+camviz.files._save_png = save_then_die
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_killed_run_resumes_to_the_clean_result(
+    tmp_path, make_photos, tiny_mobilenet, assert_rows_match
+):
+    sizes = {f"{n}.png": (40, 30) if n % 2 else (32, 32) for n in range(6)}
+    folder = tmp_path / "photos"
+    make_photos(folder, sizes)
+    clean, resumed = tmp_path / "clean", tmp_path / "resumed"
+    common = [str(folder), *model_args(tiny_mobilenet), "--batch-size", "2", "--workers", "0"]
+    common += ["--no-panel"]
+    assert main(["explain", *common, "--quiet", "--out", str(clean)]) == 0
+
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, "explain", *common, "--quiet", "--out", str(resumed)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == -9, killed.stderr
+    assert list(resumed.glob(".*.tmp")), "the kill should leave a temporary file behind"
+    assert json.loads((resumed / "manifest.json").read_text())["complete"] is False
+    # A writer thread takes the third image only after finishing (files, then row) another.
+    logged = [json.loads(line) for line in (resumed / "manifest.jsonl").read_text().splitlines()]
+    assert 1 <= len(logged) <= 2
+    finished_before = {
+        name: (resumed / name).stat().st_mtime_ns for row in logged for name in row["files"]
+    }
+
+    assert main(["explain", *common, "--quiet", "--out", str(resumed)]) == 0
+    lines = (resumed / "manifest.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert len({row["input"] for row in rows}) == len(rows) == len(sizes)
+    assert_rows_match(rows, json.loads((clean / "manifest.json").read_text())["images"])
+    assert sorted(os.listdir(resumed)) == sorted(os.listdir(clean))
+    for name, modified in finished_before.items():  # done before the kill: not redone
+        assert (resumed / name).stat().st_mtime_ns == modified
+    for path in resumed.glob("*.png"):
+        with Image.open(path) as image:
+            image.load()
