@@ -114,3 +114,80 @@ def untouched():
         _assert_same_state(before, _model_state(model))
 
     return check
+
+
+@pytest.fixture(scope="session")
+def tiny_mobilenet(tmp_path_factory) -> str:
+    """A random MobileNetV3-Small state_dict with 5 classes, for tests of the batch plumbing:
+    ``--model mobilenet_v3_small --weights PATH`` explains a 224 px image in ~15 ms.
+
+    Its BatchNorm statistics are measured on noise first: with the initial ones (mean 0,
+    variance 1) the activations shrink layer by layer and every logit is about 1e-11.
+    """
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.mobilenet_v3_small(num_classes=5)
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.momentum = None  # a plain average over the calibration batches
+    with torch.no_grad():
+        for _ in range(4):
+            model(torch.randn(8, 3, 96, 96))
+    path = tmp_path_factory.mktemp("weights") / "mobilenet_v3_small.pt"
+    torch.save(model.state_dict(), path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def make_photos(cat_path, coffee_path):
+    """``make_photos(folder, {"a.png": (40, 30), ...})`` writes small, distinct crops of the
+    shipped photos (alternately flipped) at the given sizes and returns their paths."""
+    from PIL import Image, ImageOps
+
+    def make(folder: Path, sizes: dict[str, tuple[int, int]]) -> list[Path]:
+        paths = []
+        for number, (name, size) in enumerate(sizes.items()):
+            with Image.open(cat_path if number % 2 == 0 else coffee_path) as photo:
+                rgb = photo.convert("RGB")
+            left, top = 10 * number, 5 * number
+            crop = rgb.crop((left, top, left + 300, top + 250)).resize(size)
+            if number % 3 == 1:
+                crop = ImageOps.mirror(crop)
+            path = folder / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            crop.save(path)
+            paths.append(path)
+        return paths
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def assert_rows_match():
+    """``assert_rows_match(rows, expected)``: the same manifest rows, apart from the timing
+    (``seconds``) and float noise in the last bits (from batches of other sizes)."""
+
+    def close(got: object, want: object) -> bool:
+        if isinstance(want, float):
+            return isinstance(got, float) and abs(got - want) <= 1e-4 * max(1.0, abs(want))
+        if isinstance(want, dict):
+            return (
+                isinstance(got, dict)
+                and got.keys() == want.keys()
+                and all(close(got[key], want[key]) for key in want if key != "seconds")
+            )
+        if isinstance(want, list):
+            return (
+                isinstance(got, list)
+                and len(got) == len(want)
+                and all(close(g, w) for g, w in zip(got, want, strict=True))
+            )
+        return got == want
+
+    def check(rows: list[dict], expected: list[dict]) -> None:
+        assert len(rows) == len(expected)
+        for got, want in zip(rows, expected, strict=True):
+            assert close(got, want), (got, want)
+
+    return check
