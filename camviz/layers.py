@@ -82,10 +82,17 @@ def default_target_layer(model: nn.Module, inputs: torch.Tensor) -> str:
     """The last layer, in call order, whose output is a spatial map.
 
     One dry forward pass on the first sample records every module's output. A spatial map
-    is a 4-D ``(N, C, H, W)`` tensor with ``H * W > 1``; for transformers, whose blocks emit
-    ``(N, tokens, C)``, the last block's output counts when no 4-D map follows it. Containers
-    fire after their children, so for a ResNet the answer is ``layer4`` rather than its last
-    ReLU. The model's train/eval modes are left as they were.
+    is a 4-D tensor with ``H * W > 1`` (``(N, C, H, W)``, or Swin's channels-last
+    ``(N, H, W, C)``). Containers fire after their children, so for a ResNet the answer is
+    ``layer4`` rather than its last ReLU, and for a Swin transformer its final norm.
+
+    Vision transformers (ViT, DeiT: token outputs ``(N, T, C)`` after the last 4-D map) get
+    the input of their last attention layer instead: the last block's first norm (timm's
+    ``blocks[-1].norm1``, torchvision's ``encoder_layer_{L-1}.ln_1``), as is common practice.
+    The last block's *output* is a poor choice: the head reads only the class token there,
+    so every patch token has zero gradient and the map would be empty; the last attention
+    still mixes the patches into the class token, so its input has a gradient at every
+    patch. The model's train/eval modes are left as they were.
 
     Raises:
         CamvizError: No layer produces a spatial output.
@@ -95,21 +102,34 @@ def default_target_layer(model: nn.Module, inputs: torch.Tensor) -> str:
         return per_model[inputs.dim()]
     spatial: list[str] = []
     tokens: list[str] = []
+    attention_inputs: list[str] = []
+    kinds: list[str] = []
 
     def record(name: str, module: nn.Module, args: object, output: object) -> None:
         if not isinstance(output, torch.Tensor):
             return
         if output.dim() == 4 and output.shape[-1] * output.shape[-2] > 1:
             spatial.append(name)
+            kinds.append("spatial")
         elif output.dim() == 3 and output.shape[1] > 1:
             tokens.append(name)
+            kinds.append("tokens")
+
+    def before_attention(module: nn.Module, args: object) -> None:
+        if tokens:
+            attention_inputs.append(tokens[-1])
 
     with HookSet() as hooks, torch.inference_mode(), eval_mode(model):
         for name, module in model.named_modules():
             if name:
                 hooks.add(module.register_forward_hook(partial(record, name)))
+            if _is_attention(module):
+                hooks.add(module.register_forward_pre_hook(before_attention))
         model(inputs[:1])
-    found = spatial[-1] if spatial else (tokens[-1] if tokens else None)
+    if kinds and kinds[-1] == "tokens":
+        found = attention_inputs[-1] if attention_inputs else tokens[-1]
+    else:
+        found = spatial[-1] if spatial else None
     if found is None:
         raise CamvizError(
             "could not find a layer with a spatial output to explain; pass layer=NAME "
@@ -117,6 +137,11 @@ def default_target_layer(model: nn.Module, inputs: torch.Tensor) -> str:
         )
     per_model[inputs.dim()] = found
     return found
+
+
+def _is_attention(module: nn.Module) -> bool:
+    """torch's ``MultiheadAttention`` (torchvision ViT), or a ``*Attention`` class (timm, HF)."""
+    return isinstance(module, nn.MultiheadAttention) or type(module).__name__.endswith("Attention")
 
 
 def layer_shapes(model: nn.Module, inputs: torch.Tensor) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -6,7 +6,11 @@
 <class 'camviz.cams.gradcam.GradCAM'>
 """
 
-from camviz.cams import gradcam  # noqa: F401 - importing a method module registers it
+from camviz.cams import (  # noqa: F401 - importing a method module registers it
+    ablationcam,
+    gradcam,
+    scorecam,
+)
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.engine import Explanation, explain, layer_pass
 from camviz.cams.registry import get, names, register, table

@@ -8,12 +8,15 @@ raw map per sample; the engine applies ReLU, normalises and upsamples.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from camviz.cams.layout import Layout
 
 
 @dataclass
@@ -30,6 +33,12 @@ class LayerData:
         score: Maps a model output to the ``(N,)`` explained scores.
         class_ids: The explained class of each sample, ``(N,)``, or ``None`` when the
             target is a callable.
+        scores: The explained score of each sample in the unperturbed forward pass, ``(N,)``.
+        layout: How the layer lays out its own output (:class:`camviz.cams.layout.Layout`;
+            ``activations`` is its ``(N, C, h, w)`` view), for methods that edit the layer.
+
+    ``score(output, samples)`` also scores perturbed batches: ``samples`` is the ``(R,)``
+    index of the input each output row was made from (``None``: row ``n`` is input ``n``).
     """
 
     layer: str
@@ -37,8 +46,10 @@ class LayerData:
     gradients: torch.Tensor | None
     model: nn.Module
     inputs: torch.Tensor
-    score: Callable[[Any], torch.Tensor]
+    score: Callable[..., torch.Tensor]
     class_ids: torch.Tensor | None
+    scores: torch.Tensor | None = None
+    layout: Layout | None = None
 
 
 class CamMethod:
@@ -59,3 +70,11 @@ class CamMethod:
     def layer_map(self, data: LayerData) -> torch.Tensor:
         """The raw ``(N, h, w)`` map, before ReLU and normalisation."""
         raise NotImplementedError
+
+    def rank_maps(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
+        """The raw map of every target rank of one layer (top-k: one :class:`LayerData` each).
+
+        Methods whose cost is in forward passes override this to score every rank from the
+        same perturbed outputs; the others compute rank by rank.
+        """
+        return [self.layer_map(data) for data in ranks]

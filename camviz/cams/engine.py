@@ -31,18 +31,25 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 
 from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.layout import as_spatial, layout_of, patch_size
 from camviz.cams.registry import get
 from camviz.errors import CamvizError
 from camviz.hooks import detach_to, edit
 from camviz.layers import default_target_layer, resolve_layers
 from camviz.maps import normalize, upsample
 from camviz.modelstate import eval_mode
-from camviz.targets import ScoreFn, Target, score_fns
+from camviz.targets import Contrast, Region, ScoreFn, Target, score_fns
 
 Fuse = Literal["mean", "max"]
+
+# as_spatial is re-exported: methods that run their own layer passes use it.
+__all__ = ["Explanation", "LayerPass", "as_spatial", "explain", "layer_pass"]
+
+DEFAULT_AUG_SCALES = (1.0, 0.9, 1.1)
 
 
 @dataclass
@@ -187,6 +194,7 @@ def explain(
     *,
     output_key: str | int | None = None,
     fuse: Fuse = "mean",
+    aug_smooth: bool | Sequence[float] = False,
     **options: Any,
 ) -> Explanation:
     """Explain a batch with a CAM method.
@@ -198,11 +206,23 @@ def explain(
             Moved to the model's device.
         method: A registry name (:func:`camviz.cams.names`) or a method instance.
         layer: Target layer name(s) or wildcard pattern(s). ``None`` picks the last layer
-            with a spatial output (found once per model with a one-sample dry run).
+            with a spatial output, or for a vision transformer the norm before its last
+            attention (:func:`camviz.layers.default_target_layer`; found once per model
+            with a one-sample dry run).
         target: What to explain; see :mod:`camviz.targets` (class id, list of ids, ``None``
-            for top-1, ``"top3"``, or a callable ``output -> (N,) scores``).
+            for top-1, ``"top3"``, :class:`~camviz.targets.Region`,
+            :class:`~camviz.targets.Contrast`, or a callable ``output -> (N,) scores``).
         output_key: For models whose output is a tuple or dict: where the logits are.
-        fuse: How maps of several layers combine (``"mean"`` or ``"max"``).
+        fuse: How maps of several layers combine (``"mean"`` or ``"max"``): each layer's
+            normalised map is upsampled to the input size, then the mean or the pixel-wise
+            maximum is taken and normalised again.
+        aug_smooth: Test-time augmentation, for any method: the batch is also explained
+            horizontally flipped and rescaled, each map is flipped back and resized to the
+            input, and the maps are averaged (then normalised). ``True`` uses the scales
+            ``(1.0, 0.9, 1.1)``, each with and without the flip (6 passes); a sequence of
+            scales chooses them (``(1.0,)``: flips only, for models with a fixed input size
+            such as ViTs); the plain pass always counts once. The explained classes are
+            those of the plain pass.
         **options: Passed to the method's constructor (e.g. ``batch_size``).
 
     Returns:
@@ -214,6 +234,7 @@ def explain(
     cam = get(method)(**options) if isinstance(method, str) else method
     if fuse not in ("mean", "max"):
         raise CamvizError(f"fuse must be 'mean' or 'max', not {fuse!r}")
+    scales = _aug_scales(aug_smooth, target)
     inputs = _as_batch(inputs, model)
     with eval_mode(model):
         layers = _target_layers(model, inputs, layer)
@@ -221,13 +242,23 @@ def explain(
             model, inputs, layers, target, gradients=cam.uses_gradients, output_key=output_key
         )
         maps_by_layer = _layer_maps(cam, model, inputs, recorded)
-    size = inputs.shape[-2:]
-    upsampled = [upsample(maps, size) for maps in maps_by_layer.values()]
+        full_size = {
+            name: upsample(maps, inputs.shape[-2:]) for name, maps in maps_by_layer.items()
+        }
+        if scales:
+            # Augmented passes explain the classes chosen here, even if augmentation flips them.
+            fixed = recorded.class_ids
+            if fixed is None or isinstance(target, Contrast):
+                fixed = target
+            maps_by_layer, full_size = _aug_smoothed(
+                cam, model, inputs, layers, fixed, output_key, scales, maps_by_layer, full_size
+            )
+    upsampled = list(full_size.values())
     fused = torch.stack(upsampled).amax(0) if fuse == "max" else torch.stack(upsampled).mean(0)
     batch, ranks = recorded.scores.shape
     ids = recorded.class_ids
     return Explanation(
-        heatmaps=normalize(fused) if len(upsampled) > 1 else fused,
+        heatmaps=normalize(fused) if len(upsampled) > 1 or scales else fused,
         layer_maps=maps_by_layer[layers[0]],
         maps_by_layer=maps_by_layer,
         targets=(ids if ids is not None else torch.full((batch, ranks), -1)).reshape(-1).cpu(),
@@ -244,36 +275,118 @@ def _layer_maps(
 ) -> dict[str, torch.Tensor]:
     """Each layer's ``(N * K, h, w)`` maps, sample-major, after ReLU and normalisation."""
     maps_by_layer = {}
-    ranks = len(recorded.score_fns)
-    for name, activations in recorded.activations.items():
-        activations = as_spatial(activations, name)
-        per_rank = []
+    for name, output in recorded.activations.items():
+        if output.shape[0] != inputs.shape[0]:
+            raise CamvizError(
+                f"layer {name!r} outputs a batch of {output.shape[0]} for {inputs.shape[0]} "
+                "inputs (windows or heads folded into the batch); pick a layer whose output "
+                "keeps one row per input"
+            )
+        patch = patch_size(model) if output.dim() == 3 else None
+        layout = layout_of(output.shape, name, inputs.shape[-2:], patch)
+        activations = layout.to_spatial(output)
+        ranks = []
         for rank, score_fn in enumerate(recorded.score_fns):
             gradients = recorded.gradients[name][rank] if recorded.gradients else None
-            data = LayerData(
-                layer=name,
-                activations=activations,
-                gradients=None if gradients is None else as_spatial(gradients, name),
-                model=model,
-                inputs=inputs,
-                score=score_fn,
-                class_ids=None if recorded.class_ids is None else recorded.class_ids[:, rank],
+            ranks.append(
+                LayerData(
+                    layer=name,
+                    activations=activations,
+                    gradients=None if gradients is None else layout.to_spatial(gradients),
+                    model=model,
+                    inputs=inputs,
+                    score=score_fn,
+                    class_ids=None if recorded.class_ids is None else recorded.class_ids[:, rank],
+                    scores=recorded.scores[:, rank],
+                    layout=layout,
+                )
             )
-            with torch.no_grad():
-                per_rank.append(cam.layer_map(data))
-        maps = torch.stack(per_rank, dim=1).flatten(0, 1) if ranks > 1 else per_rank[0]
+        with torch.no_grad():
+            per_rank = cam.rank_maps(ranks)
+        maps = torch.stack(per_rank, dim=1).flatten(0, 1)
         maps_by_layer[name] = normalize(torch.relu(maps))
     return maps_by_layer
 
 
-def as_spatial(tensor: torch.Tensor, layer: str) -> torch.Tensor:
-    """A layer output as an ``(N, C, h, w)`` map."""
-    if tensor.dim() != 4:
+def _aug_scales(aug_smooth: bool | Sequence[float], target: Target) -> tuple[float, ...]:
+    """The scales that ``aug_smooth`` asks for (none when it is off), checked."""
+    if aug_smooth is False:
+        return ()
+    scales = DEFAULT_AUG_SCALES if aug_smooth is True else tuple(aug_smooth)
+    if not scales or not all(isinstance(s, (int, float)) and 0.1 <= s <= 10 for s in scales):
         raise CamvizError(
-            f"layer {layer!r} outputs shape {tuple(tensor.shape)}, not a (N, C, H, W) feature "
-            "map; pick a convolutional layer"
+            f"aug_smooth must be True or a sequence of scales between 0.1 and 10, "
+            f"not {aug_smooth!r}"
         )
-    return tensor
+    if isinstance(target, Region):
+        raise CamvizError(
+            "aug_smooth cannot explain a Region target (the mask would have to move with the "
+            "augmented output); explain it without aug_smooth"
+        )
+    return scales
+
+
+def _aug_smoothed(
+    cam: CamMethod,
+    model: nn.Module,
+    inputs: torch.Tensor,
+    layers: Sequence[str],
+    target: Target,
+    output_key: str | int | None,
+    scales: Sequence[float],
+    maps_by_layer: dict[str, torch.Tensor],
+    full_size: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Average the plain pass's maps with those of flipped and rescaled copies of the batch.
+
+    Each augmented map is brought back to the plain pass's geometry (resized, then flipped
+    back) at the layer's resolution and at the input's, with one interpolation each.
+
+    Returns:
+        ``(maps_by_layer, full_size)``: the averaged maps at each layer's resolution
+        (normalised) and at the input's (not yet normalised).
+    """
+    height, width = inputs.shape[-2:]
+    sums = {name: maps.clone() for name, maps in maps_by_layer.items()}
+    full_sums = {name: maps.clone() for name, maps in full_size.items()}
+    variants = [(scale, flip) for scale in dict.fromkeys(scales) for flip in (False, True)]
+    for scale, flip in variants:
+        if (scale, flip) == (1, False):
+            continue  # the plain pass, already in the sums
+        augmented = inputs
+        if scale != 1:
+            size = (max(1, round(height * scale)), max(1, round(width * scale)))
+            augmented = F.interpolate(
+                inputs, size=size, mode="bilinear", align_corners=False, antialias=scale < 1
+            )
+        if flip:
+            augmented = augmented.flip(-1)
+        try:
+            recorded = layer_pass(
+                model,
+                augmented,
+                layers,
+                target,
+                gradients=cam.uses_gradients,
+                output_key=output_key,
+            )
+        except (RuntimeError, AssertionError, ValueError) as error:
+            if scale == 1:
+                raise
+            raise CamvizError(
+                f"the model rejected the input rescaled by {scale} for aug_smooth ({error}); "
+                "pass aug_smooth=(1.0,) to average over flips only"
+            ) from error
+        for name, maps in _layer_maps(cam, model, augmented, recorded).items():
+            at_layer = upsample(maps, maps_by_layer[name].shape[-2:])
+            at_input = upsample(maps, (height, width))
+            sums[name] += at_layer.flip(-1) if flip else at_layer
+            full_sums[name] += at_input.flip(-1) if flip else at_input
+    count = len(variants) if 1 in scales else len(variants) + 1
+    return (
+        {name: normalize(total / count) for name, total in sums.items()},
+        {name: total / count for name, total in full_sums.items()},
+    )
 
 
 def _target_layers(

@@ -1,0 +1,63 @@
+"""What the perturbation methods (Score-CAM, SS-CAM, Ablation-CAM) share.
+
+They weigh channels by how the explained score changes when the network runs on perturbed
+copies of a sample. The copies are scored in chunks of at most ``batch_size`` rows, so memory
+stays bounded whatever the number of channels, and every rank of a top-k target is scored
+from the same outputs: one perturbed forward pass serves all ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from camviz.cams.base import LayerData
+from camviz.errors import CamvizError
+
+
+def checked_batch_size(method: str, batch_size: int) -> int:
+    """``batch_size`` if it is a positive int, else a :class:`CamvizError`."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise CamvizError(f"{method} needs batch_size >= 1 (an int), got {batch_size!r}")
+    return batch_size
+
+
+def take_rows(output: Any, rows: torch.Tensor) -> Any:
+    """The rows ``rows`` of every tensor in a model output (tensor, tuple, list or dict)."""
+    if isinstance(output, torch.Tensor):
+        return output[rows]
+    if isinstance(output, (tuple, list)):
+        return type(output)(take_rows(item, rows) for item in output)
+    if isinstance(output, Mapping):
+        return {key: take_rows(item, rows) for key, item in output.items()}
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return {"logits": logits[rows]}
+    return output
+
+
+def rank_scores(output: Any, ranks: Sequence[LayerData], samples: torch.Tensor) -> torch.Tensor:
+    """``(K, R)``: the explained score of each rank for each of the ``R`` output rows.
+
+    Args:
+        output: The model's output for a batch of ``R`` perturbed copies.
+        ranks: One :class:`LayerData` per rank (their ``score`` functions are used).
+        samples: ``(R,)`` index of the input each row was made from.
+
+    Raises:
+        CamvizError: A target callable does not give one score per row.
+    """
+    scores = []
+    for data in ranks:
+        score = data.score(output, samples)
+        if not isinstance(score, torch.Tensor) or score.shape != samples.shape:
+            shape = tuple(score.shape) if isinstance(score, torch.Tensor) else type(score).__name__
+            raise CamvizError(
+                f"the target must give one score per output row, shape {tuple(samples.shape)}, "
+                f"got {shape}; perturbation methods score batches of perturbed copies, so a "
+                "target callable must score each row on its own (e.g. lambda out: out[:, 3])"
+            )
+        scores.append(score)
+    return torch.stack(scores)

@@ -1,0 +1,395 @@
+"""Score-CAM, SS-CAM and Ablation-CAM: the papers' formulas written out in plain torch, the
+exact shortcuts against the naive computation, and pytorch-grad-cam and torchcam."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812 - the conventional name
+from torch import nn
+
+import camviz
+from camviz.cams import LayerData, get, layer_pass
+from camviz.cams.layout import layout_of
+from camviz.errors import CamvizError
+from camviz.maps import normalize
+
+
+class TinyNet(nn.Module):
+    """Fixed float64 weights: stride-2 conv to 4 channels + ReLU (4x4 maps from 8x8 inputs),
+    mean over the grid, linear head to 3 classes.
+
+    Channel 2 is zero everywhere (bias -100 before the ReLU) and channel 3 is the constant
+    0.5 (zero weights, bias 0.5): both have constant Score-CAM masks.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.features = nn.Sequential(nn.Conv2d(3, 4, 2, stride=2), nn.ReLU())
+        self.head = nn.Linear(4, 3)
+        with torch.no_grad():
+            conv = self.features[0]
+            conv.weight.copy_(torch.randn(4, 3, 2, 2, generator=generator))
+            conv.weight[3] = 0
+            conv.bias.copy_(torch.tensor([0.1, 0.2, -100.0, 0.5]))
+            self.head.weight.copy_(torch.randn(3, 4, generator=generator))
+            self.head.bias.copy_(torch.tensor([2.0, 1.0, 3.0]))
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+class ResidualNet(TinyNet):
+    """TinyNet with ``stem -> body (target) -> body += stem`` in place, as in a ResNet block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = self.features
+        self.body = nn.Conv2d(4, 4, 1).double()
+        with torch.no_grad():
+            self.body.weight.copy_(torch.eye(4).view(4, 4, 1, 1) * 2 - 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stem = self.stem(x)
+        out = self.body(stem)
+        out += stem
+        return self.head(torch.relu(out).mean(dim=(2, 3)))
+
+
+class ConcatNet(ResidualNet):
+    """The layers after ``body`` concatenate its output with the earlier ``stem`` output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 3).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stem = self.stem(x)
+        both = torch.cat([stem, self.body(stem)], dim=1)
+        return self.head(both.mean(dim=(2, 3)))
+
+
+def normalised(maps: torch.Tensor) -> torch.Tensor:
+    """Min-max per map; a constant map becomes zeros."""
+    low = maps.flatten(1).amin(1).view(-1, 1, 1)
+    span = maps.flatten(1).amax(1).view(-1, 1, 1) - low
+    return torch.where(span > 0, (maps - low) / span, 0)
+
+
+def output_of(model: nn.Module, layer: str, inputs: torch.Tensor) -> torch.Tensor:
+    with camviz.capture(model, layer) as seen, torch.no_grad():
+        model(inputs)
+    return seen.activations[layer]
+
+
+def paper_scorecam(model, inputs, layer, classes, noise=None) -> torch.Tensor:
+    """Score-CAM, Algorithm 1 of Wang et al. 2020, one image and one channel at a time.
+
+    ``noise[n][k]`` (a list per draw) turns it into SS-CAM: the mean score over the draws.
+    A constant map normalises to the zero mask.
+    """
+    activations = output_of(model, layer, inputs)
+    maps = []
+    for n, cls in enumerate(classes):
+        scores = []
+        for k, channel in enumerate(activations[n]):
+            upsampled = F.interpolate(
+                channel[None, None], size=inputs.shape[-2:], mode="bilinear", align_corners=False
+            )[0, 0]
+            mask = torch.zeros_like(upsampled)
+            if channel.amax() > channel.amin():
+                mask = (upsampled - upsampled.min()) / (upsampled.max() - upsampled.min())
+            draws = [mask] if noise is None else [mask + draw[n][k] for draw in noise]
+            with torch.no_grad():
+                scores.append(torch.stack([model(inputs[n : n + 1] * d)[0, cls] for d in draws]))
+        alpha = torch.softmax(torch.stack(scores).mean(1), dim=0)
+        maps.append(torch.relu(torch.einsum("k,khw->hw", alpha, activations[n])))
+    return normalised(torch.stack(maps))
+
+
+def paper_ablationcam(model, inputs, layer, classes) -> torch.Tensor:
+    """Ablation-CAM, Desai and Ramaswamy 2020: w_k = (y - y_k) / y, one channel at a time."""
+    module = dict(model.named_modules())[layer]
+    activations = output_of(model, layer, inputs)
+    maps = []
+    with torch.no_grad():
+        for n, cls in enumerate(classes):
+            single = inputs[n : n + 1]
+            original = model(single)[0, cls]
+            weights = []
+            for k in range(activations.shape[1]):
+
+                def zero(mod, args, output, k=k):
+                    output = output.clone()
+                    output[:, k] = 0
+                    return output
+
+                handle = module.register_forward_hook(zero)
+                try:
+                    weights.append((original - model(single)[0, cls]) / original)
+                finally:
+                    handle.remove()
+            maps.append(torch.relu(torch.einsum("k,khw->hw", torch.stack(weights), activations[n])))
+    return normalised(torch.stack(maps))
+
+
+@pytest.fixture
+def tiny_inputs() -> torch.Tensor:
+    torch.manual_seed(2)
+    return torch.rand(3, 3, 8, 8, dtype=torch.float64) - 0.3
+
+
+class RowCounter:
+    """Counts forward passes and rows seen by a module."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.calls = 0
+        self.rows = 0
+        self.handle = module.register_forward_pre_hook(self)
+
+    def __call__(self, module, args) -> None:
+        self.calls += 1
+        self.rows += args[0].shape[0]
+
+
+# The papers' formulas ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model", "layer"), [(TinyNet(), "features"), (ResidualNet(), "body")], ids=["tiny", "residual"]
+)
+def test_scorecam_equals_the_paper_formula(model, layer, tiny_inputs, untouched):
+    with untouched(model):
+        result = camviz.explain(model, tiny_inputs, "scorecam", layer=layer, target=[0, 2, 0])
+    expected = paper_scorecam(model, tiny_inputs, layer, [0, 2, 0])
+    torch.testing.assert_close(result.layer_maps, expected)
+
+
+@pytest.mark.parametrize(
+    ("model", "layer"), [(TinyNet(), "features"), (ResidualNet(), "body")], ids=["tiny", "residual"]
+)
+def test_ablationcam_equals_the_paper_formula(model, layer, tiny_inputs, untouched):
+    with untouched(model), warnings.catch_warnings():
+        warnings.simplefilter("error")  # the broadcast shortcut must be taken, no fallback
+        result = camviz.explain(model, tiny_inputs, "ablationcam", layer=layer, target=[0, 2, 0])
+    expected = paper_ablationcam(model, tiny_inputs, layer, [0, 2, 0])
+    torch.testing.assert_close(result.layer_maps, expected)
+
+
+def test_sscam_equals_the_paper_formula_with_the_same_noise(tiny_inputs, untouched):
+    model, draws, std = TinyNet(), 3, 0.3
+    generator = torch.Generator().manual_seed(7)
+    # One chunk holds every (image, channel) pair, so each draw is one (N * C, H, W) tensor.
+    noise = [
+        std * torch.randn(12, 8, 8, generator=generator, dtype=torch.float64).view(3, 4, 8, 8)
+        for _ in range(draws)
+    ]
+    with untouched(model):
+        result = camviz.explain(
+            model,
+            tiny_inputs,
+            "sscam",
+            layer="features",
+            target=[0, 2, 0],
+            batch_size=12,
+            num_samples=draws,
+            std=std,
+            seed=7,
+        )
+    expected = paper_scorecam(model, tiny_inputs, "features", [0, 2, 0], noise)
+    torch.testing.assert_close(result.layer_maps, expected)
+
+
+# Exact shortcuts -------------------------------------------------------------------------
+
+
+def test_scorecam_scores_all_constant_channels_with_one_blank_image(tiny_inputs):
+    model = TinyNet()
+    counter = RowCounter(model.features)
+    try:
+        camviz.explain(model, tiny_inputs, "scorecam", layer="features", target=0, batch_size=4)
+    finally:
+        counter.handle.remove()
+    # 1 plain pass of 3 images; 3 images x 2 varying channels masked; 1 blank image.
+    assert counter.rows == 3 + 3 * 2 + 1
+    assert counter.calls == 1 + 2 + 1  # 6 masked images in chunks of 4, then the blank
+
+
+def test_ablationcam_runs_the_layers_before_the_target_once_per_chunk(tiny_inputs):
+    model = ResidualNet()
+    counter = RowCounter(model.stem)
+    try:
+        camviz.explain(model, tiny_inputs, "ablationcam", layer="body", target=0, batch_size=3)
+    finally:
+        counter.handle.remove()
+    # Plain pass (3 rows); the check run (1 row); then per image 2 chunks of one row each.
+    assert (counter.calls, counter.rows) == (1 + 1 + 3 * 2, 3 + 1 + 3 * 2)
+
+
+def test_ablationcam_falls_back_to_full_passes_when_the_later_layers_reject_a_batch(tiny_inputs):
+    model = ConcatNet()
+    with pytest.warns(RuntimeWarning, match="re-running the whole network per channel"):
+        result = camviz.explain(model, tiny_inputs, "ablationcam", layer="body", target=[1, 0, 2])
+    expected = paper_ablationcam(model, tiny_inputs, "body", [1, 0, 2])
+    torch.testing.assert_close(result.layer_maps, expected)
+
+
+def test_ablationcam_broadcast_shortcut_is_exact_on_resnet_in_place_residuals(resnet18):
+    """``layer4.1.bn2`` is followed by ``out += identity`` with ``identity`` from before it:
+    the ablated scores of the shortcut equal full forward passes with one channel zeroed."""
+    torch.manual_seed(5)
+    inputs = torch.randn(1, 3, 64, 64)
+    layer = "layer4.1.bn2"
+    recorded = layer_pass(resnet18, inputs, [layer], 4, gradients=False)
+    output = recorded.activations[layer]
+    data = LayerData(
+        layer=layer,
+        activations=output,
+        gradients=None,
+        model=resnet18,
+        inputs=inputs,
+        score=recorded.score_fns[0],
+        class_ids=recorded.class_ids[:, 0],
+        scores=recorded.scores[:, 0],
+        layout=layout_of(output.shape, layer, inputs.shape[-2:]),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ablated = get("ablationcam")(batch_size=128).ablated_scores([data])[0, 0]
+    channels = torch.randperm(512)[:24]
+    keep = torch.ones(24, 512, 1, 1)
+    keep[torch.arange(24), channels] = 0
+    handle = resnet18.layer4[1].bn2.register_forward_hook(lambda module, args, out: out * keep)
+    try:
+        with torch.no_grad():
+            expected = resnet18(inputs.expand(24, -1, -1, -1))[:, 4]
+    finally:
+        handle.remove()
+    torch.testing.assert_close(ablated[channels], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["scorecam", "ablationcam"])
+def test_top_k_ranks_share_the_perturbed_passes(method, tiny_inputs):
+    model = TinyNet()
+    counter = RowCounter(model.head)
+    try:
+        ranked = camviz.explain(model, tiny_inputs, method, layer="features", target="top2")
+        rows_for_two = counter.rows
+        counter.rows = 0
+        single = camviz.explain(model, tiny_inputs, method, layer="features", target=None)
+    finally:
+        counter.handle.remove()
+    assert rows_for_two == counter.rows
+    second = camviz.explain(
+        model, tiny_inputs, method, layer="features", target=ranked.targets.view(3, 2)[:, 1]
+    )
+    torch.testing.assert_close(ranked.layer_maps[0::2], single.layer_maps)
+    torch.testing.assert_close(ranked.layer_maps[1::2], second.layer_maps)
+
+
+# Targets in perturbed batches --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["scorecam", "ablationcam"])
+def test_a_row_wise_callable_target_equals_the_class_target(method, tiny_inputs):
+    model = TinyNet()
+    by_class = camviz.explain(model, tiny_inputs, method, layer="features", target=2)
+    by_callable = camviz.explain(
+        model, tiny_inputs, method, layer="features", target=lambda out: out[:, 2]
+    )
+    torch.testing.assert_close(by_callable.layer_maps, by_class.layer_maps)
+
+
+def test_a_callable_that_does_not_score_row_by_row_is_explained():
+    model = TinyNet()
+    inputs = torch.rand(2, 3, 8, 8, dtype=torch.float64)
+    with pytest.raises(CamvizError, match="must score each row on its own"):
+        camviz.explain(model, inputs, "scorecam", layer="features", target=lambda out: out[:2, 0])
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"batch_size": 0}, "batch_size >= 1"),
+        ({"batch_size": 2.5}, "batch_size >= 1"),
+    ],
+)
+def test_bad_batch_sizes_are_refused(options, message):
+    for method in ("scorecam", "sscam", "ablationcam"):
+        with pytest.raises(CamvizError, match=message):
+            camviz.cams.get(method)(**options)
+    with pytest.raises(CamvizError, match="num_samples >= 1"):
+        camviz.cams.get("sscam")(num_samples=0)
+
+
+# The peers ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def peer_batch() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(2, 3, 64, 64)
+
+
+def test_ablationcam_matches_pytorch_grad_cam(resnet18, peer_batch, untouched):
+    """Tolerance 1e-4: float rounding only. ``layer1`` ends with a ReLU, so pytorch-grad-cam
+    ablates with zero as the paper does; it normalises again after resizing, hence the
+    ``normalize`` of camviz's heatmaps."""
+    from pytorch_grad_cam import AblationCAM
+    from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
+
+    with untouched(resnet18):
+        result = camviz.explain(resnet18, peer_batch, "ablationcam", layer="layer1", target=[3, 7])
+    with AblationCAM(resnet18, [resnet18.layer1]) as cam:
+        theirs = cam(peer_batch, [ClassifierOutputTarget(3), ClassifierOutputTarget(7)])
+    torch.testing.assert_close(
+        normalize(result.heatmaps), torch.from_numpy(theirs), rtol=0, atol=1e-4
+    )
+
+
+def test_scorecam_matches_pytorch_grad_cam_and_torchcam(resnet18, peer_batch, untouched):
+    """Tolerances from the documented differences in how masks are made (see ScoreCAM):
+    5e-2 against pytorch-grad-cam (``align_corners=True``), 1e-2 against torchcam
+    (normalisation before upsampling); measured 1.4e-2 and 4e-3."""
+    from pytorch_grad_cam import ScoreCAM as GradCamScoreCAM
+    from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
+    from torchcam.methods import ScoreCAM as TorchcamScoreCAM
+
+    with untouched(resnet18):
+        result = camviz.explain(resnet18, peer_batch, "scorecam", layer="layer1", target=[3, 7])
+    with GradCamScoreCAM(resnet18, [resnet18.layer1]) as cam:
+        theirs = cam(peer_batch, [ClassifierOutputTarget(3), ClassifierOutputTarget(7)])
+    torch.testing.assert_close(
+        normalize(result.heatmaps), torch.from_numpy(theirs), rtol=0, atol=5e-2
+    )
+    with TorchcamScoreCAM(resnet18, "layer1", input_shape=(3, 64, 64)) as extractor:
+        (torchcam_maps,) = extractor([3, 7], resnet18(peer_batch))
+    torch.testing.assert_close(result.layer_maps, torchcam_maps, rtol=0, atol=1e-2)
+
+
+def test_sscam_matches_torchcam(resnet18, peer_batch, untouched):
+    """Tolerance 5e-2 (measured 9e-3): besides the mask order of Score-CAM, each library
+    draws its own noise, so with 4 draws the averaged scores differ a little."""
+    from torchcam.methods import SSCAM as TorchcamSSCAM  # noqa: N811 - named after its library
+
+    with untouched(resnet18):
+        result = camviz.explain(
+            resnet18,
+            peer_batch,
+            "sscam",
+            layer="layer1",
+            target=[3, 7],
+            num_samples=4,
+            std=0.2,
+            seed=0,
+        )
+    torch.manual_seed(5)
+    with TorchcamSSCAM(
+        resnet18, "layer1", input_shape=(3, 64, 64), num_samples=4, std=0.2
+    ) as extractor:
+        (torchcam_maps,) = extractor([3, 7], resnet18(peer_batch))
+    torch.testing.assert_close(result.layer_maps, torchcam_maps, rtol=0, atol=5e-2)
