@@ -54,3 +54,13 @@ def test_features_notebook():
     assert "5 steps recorded" in text
     assert "tensor([ 5., -6.])" in text  # d(c)/d(a) = z
     assert "(0, False)" in text  # no hook left, still in eval mode
+
+
+def test_evaluation_notebook():
+    notebook = run_notebook("04_evaluation.ipynb")
+    assert displayed_images(notebook) >= 2
+    text = "".join(
+        output.get("text", "") for cell in notebook.cells for output in cell.get("outputs", [])
+    )
+    assert "gradcam: passes" in text and "edges: flagged: model-independent" in text
+    assert "random map: pointing game" in text and "report.html" in text

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from camviz import __version__
 from camviz.errors import CamvizError
 
-SUBCOMMANDS = ("explain", "layers", "methods", "features", "inspect")
+SUBCOMMANDS = ("explain", "layers", "methods", "features", "inspect", "compare")
 
 
 def build_parser() -> argparse.ArgumentParser:

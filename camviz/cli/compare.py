@@ -1,0 +1,73 @@
+"""``camviz compare``: several methods on several images, measured, in one HTML page."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from camviz.cli.options import add_model_options
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "compare",
+        help="compare CAM methods on images: faithfulness numbers, timings, one HTML page",
+        description="Explain each image with each method for the model's top-1 class, measure "
+        "each map (deletion and insertion AUC, average drop, increase in confidence, win "
+        "rate) and time it; write a self-contained report.html (opens from disk), "
+        "metrics.csv (per image and method) and summary.csv (per method).",
+    )
+    parser.add_argument("images", nargs="+", metavar="IMAGE", help="image files")
+    add_model_options(parser)
+    parser.add_argument(
+        "--methods",
+        default="all",
+        help="comma-separated CAM methods (see `camviz methods`), or all (the default; "
+        "perturbation methods such as scorecam are slow on a CPU)",
+    )
+    parser.add_argument("--layer", default=None, help="target layer (see `camviz layers`)")
+    parser.add_argument("--out", default="camviz-compare", metavar="DIR", help="output folder")
+    parser.add_argument(
+        "--steps", type=int, default=20, help="steps of the deletion and insertion curves"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="perturbed images per forward pass"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from camviz import cams
+    from camviz.cli.options import load_model
+    from camviz.compare import compare, write_report
+    from camviz.errors import CamvizError
+
+    methods = cams.names() if args.methods == "all" else _split(args.methods)
+    for method in methods:
+        cams.get(method)  # an unknown name fails before the model loads
+    if args.steps < 1 or args.batch_size < 1:
+        raise CamvizError("--steps and --batch-size must be positive integers")
+    loaded = load_model(args)
+    comparison = compare(
+        args.images,
+        loaded,
+        methods,
+        layer=args.layer,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        progress=lambda line: print(line, file=sys.stderr),
+    )
+    written = write_report(comparison, args.out)
+    print("| method | deletion AUC | insertion AUC | average drop % | win rate % | ms / image |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for row in comparison.summary():
+        print(
+            f"| {row['method']} | {row['deletion_auc']:.3f} | {row['insertion_auc']:.3f} | "
+            f"{row['average_drop']:.1f} | {row['win_rate']:.1f} | {row['ms_per_image']:.0f} |"
+        )
+    print(f"wrote {written['report']}, {written['metrics']} and {written['summary']}")
+    return 0
+
+
+def _split(methods: str) -> list[str]:
+    return [name.strip() for name in methods.split(",") if name.strip()]

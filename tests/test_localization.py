@@ -1,0 +1,100 @@
+"""Pointing game and energy-based pointing game: hand-worked maps, random maps, and the
+synthetic benchmark with the shipped weights."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import camviz
+from camviz.errors import CamvizError
+from camviz.localization import box_masks, energy_pointing_game, pointing_game
+from camviz.synthetic import TARGET_LAYER, load_model, make_dataset
+
+# A 4x4 map whose maximum (9) is at row 1, column 2.
+MAP = torch.tensor(
+    [
+        [0.0, 1.0, 2.0, 0.0],
+        [0.0, 3.0, 9.0, 1.0],
+        [0.0, 0.0, 2.0, 0.0],
+        [1.0, 0.0, 0.0, 1.0],
+    ]
+).unsqueeze(0)
+
+
+def test_box_masks_are_half_open():
+    masks = box_masks(torch.tensor([[1, 0, 3, 2]]), 3, 4)
+    expected = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(masks[0], expected)
+
+
+@pytest.mark.parametrize(
+    ("box", "tolerance", "hit"),
+    [
+        ((2, 1, 3, 2), 0, True),  # exactly the maximum's pixel
+        ((0, 0, 2, 4), 0, False),  # columns 0-1: the maximum is in column 2
+        ((0, 3, 1, 4), 2, False),  # pixel (3, 0): distance sqrt(2^2 + 2^2) = 2.83 > 2
+        ((0, 3, 1, 4), 2.9, True),
+        ((3, 3, 4, 4), 2.3, True),  # pixel (3, 3): sqrt(2^2 + 1^2) = 2.24
+    ],
+)
+def test_pointing_game_by_hand(box, tolerance, hit):
+    result = pointing_game(MAP, torch.tensor([box]), tolerance=tolerance)
+    assert result.tolist() == [hit]
+
+
+def test_masks_and_boxes_agree_and_a_constant_map_misses():
+    maps = torch.cat([MAP, torch.full((1, 4, 4), 0.5)])
+    boxes = torch.tensor([[1, 1, 3, 3], [0, 0, 4, 4]])
+    masks = box_masks(boxes, 4, 4)
+    assert pointing_game(maps, boxes).tolist() == [True, False]
+    assert torch.equal(pointing_game(maps, masks), pointing_game(maps, boxes))
+    torch.testing.assert_close(energy_pointing_game(maps, masks), energy_pointing_game(maps, boxes))
+
+
+def test_energy_pointing_game_by_hand():
+    # Box rows 0-1, columns 1-2 holds 1 + 2 + 3 + 9 = 15 of the map's total 20.
+    share = energy_pointing_game(MAP, torch.tensor([[1, 0, 3, 2]]))
+    torch.testing.assert_close(share, torch.tensor([15 / 20]))
+    empty = energy_pointing_game(torch.zeros(1, 4, 4), torch.tensor([[0, 0, 2, 2]]))
+    assert empty.tolist() == [0.0]
+
+
+def test_random_maps_score_the_box_share_within_sampling_error():
+    generator = torch.Generator().manual_seed(0)
+    count, size = 2000, 32
+    maps = torch.rand(count, size, size, generator=generator)
+    boxes = torch.tensor([[4, 8, 12, 24]]).expand(count, 4)  # 8 x 16 = 1/8 of the image
+    share = 8 * 16 / size**2
+    energy = energy_pointing_game(maps, boxes)
+    assert abs(energy.mean().item() - share) < 4 * energy.std().item() / math.sqrt(count)
+    hits = pointing_game(maps, boxes).float()
+    assert abs(hits.mean().item() - share) < 4 * math.sqrt(share * (1 - share) / count)
+
+
+def test_gradcam_points_at_the_synthetic_objects_far_better_than_a_random_map():
+    data = make_dataset(64, seed=12345)
+    model = load_model()
+    result = camviz.explain(model, data.images, "gradcam", layer=TARGET_LAYER, target=data.labels)
+    gradcam_hits = pointing_game(result.heatmaps, data.boxes).float().mean().item()
+    generator = torch.Generator().manual_seed(1)
+    random_maps = torch.rand(result.heatmaps.shape, generator=generator)
+    random_hits = pointing_game(random_maps, data.boxes).float().mean().item()
+    area_share = box_masks(data.boxes, 64, 64).float().mean().item()
+    assert gradcam_hits >= 0.9
+    assert random_hits <= area_share + 0.1
+    gradcam_energy = energy_pointing_game(result.heatmaps, data.boxes).mean().item()
+    assert gradcam_energy > 4 * area_share
+
+
+def test_user_mistakes_are_one_line_errors():
+    with pytest.raises(CamvizError, match="one region per map"):
+        pointing_game(MAP, torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1]]))
+    with pytest.raises(CamvizError, match="boxes or"):
+        pointing_game(MAP, torch.zeros(1, 4, 4))  # float mask
+    with pytest.raises(CamvizError, match="non-negative"):
+        energy_pointing_game(-MAP, torch.tensor([[0, 0, 1, 1]]))
+    with pytest.raises(CamvizError, match="tolerance"):
+        pointing_game(MAP, torch.tensor([[0, 0, 1, 1]]), tolerance=-1)
