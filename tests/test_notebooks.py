@@ -7,6 +7,8 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from camviz.cams import names
+
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
@@ -40,6 +42,18 @@ def test_quickstart_notebook():
     )
     assert "Egyptian cat" in text or "tabby" in text or "tiger cat" in text
     assert "espresso" in text
+
+
+def test_methods_notebook():
+    notebook = run_notebook("02_methods.ipynb")
+    assert displayed_images(notebook) >= 3
+    tables = "".join(
+        output.get("data", {}).get("text/markdown", "")
+        for cell in notebook.cells
+        for output in cell.get("outputs", [])
+    )
+    for method in names():
+        assert f"| `{method}` | `" in tables  # its row in the timing table: it ran
 
 
 def test_features_notebook():

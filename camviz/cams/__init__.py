@@ -8,8 +8,15 @@
 
 from camviz.cams import (  # noqa: F401 - importing a method module registers it
     ablationcam,
+    eigencam,
+    fullgrad,
     gradcam,
+    gradcampp,
+    guided,
+    hirescam,
+    layercam,
     scorecam,
+    xgradcam,
 )
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.engine import Explanation, explain, layer_pass

@@ -1,0 +1,160 @@
+"""FullGrad: input-gradients and the bias-gradients of every layer, added up as maps."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the conventional name
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.guided import forward_from_inputs
+from camviz.cams.registry import register
+from camviz.maps import normalize, upsample
+from camviz.targets import ScoreFn
+
+_BATCH_NORM = inspect.signature(F.batch_norm)
+
+
+@dataclass
+class FullGradients:
+    """The full-gradient decomposition of a batch of scores.
+
+    For a network of linear layers and ReLUs, ``y = sum(x * input_gradients)`` plus the sum
+    of every bias-gradient, counting the biases of all layers (completeness);
+    ``bias_gradients`` holds those of the spatial ones.
+
+    Attributes:
+        input_gradients: ``dy/dx``, ``(N, C, H, W)``.
+        bias_gradients: ``b (*) dy/dz`` for every biased 2-D convolution and batch norm call,
+            in call order, where ``z`` is its output and ``b`` its per-channel bias broadcast
+            over locations: ``(N, C_l, h_l, w_l)`` each.
+    """
+
+    input_gradients: torch.Tensor
+    bias_gradients: list[torch.Tensor]
+
+
+def _call_bias(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> torch.Tensor | None:
+    """The per-channel bias that the call ``func(*args, **kwargs)`` adds, if any.
+
+    A batch norm with running statistics is the affine map ``x * s + (beta - mu * s)`` with
+    ``s = gamma / sqrt(var + eps)``; its bias is ``beta - mu * s``. With batch statistics it
+    is not affine, and has none.
+    """
+    if func is F.conv2d:
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        return None if bias is None else bias.detach()
+    if func is not F.batch_norm:
+        return None
+    call = _BATCH_NORM.bind(*args, **kwargs)
+    call.apply_defaults()
+    norm = call.arguments
+    if norm["training"] or norm["running_mean"] is None:
+        return None
+    scale = (norm["running_var"] + norm["eps"]).rsqrt()
+    if norm["weight"] is not None:
+        scale = scale * norm["weight"].detach()
+    shift = norm["bias"].detach() if norm["bias"] is not None else 0
+    return shift - norm["running_mean"] * scale
+
+
+class _BiasTaps(TorchFunctionMode):
+    """Hands on ``z + delta`` for each biased call's output ``z``, with a zero ``delta`` that
+    requires grad, so that ``dy/d(delta) = dy/dz`` (the engine's trick, see
+    :mod:`camviz.cams.engine`; in-place operations after the call do not disturb it).
+
+    Intercepting the functional calls rather than modules covers ``nn.Conv2d``,
+    ``nn.BatchNorm2d`` and every module built on them, such as timm's ``BatchNormAct2d``, whose
+    output is already past its activation.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taps: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        bias = _call_bias(func, args, kwargs)
+        if bias is None or output.dim() != 4:
+            return output
+        delta = torch.zeros_like(output, requires_grad=True)
+        self.taps.append((bias, delta))
+        return output + delta
+
+
+def full_gradients(model: nn.Module, inputs: torch.Tensor, score: ScoreFn) -> FullGradients:
+    """The input- and bias-gradients of ``score`` for a batch, in one backward pass.
+
+    Args:
+        model: The network, in eval mode (batch norms use their running statistics).
+        inputs: ``(N, C, H, W)`` batch.
+        score: Maps the model's output to the ``(N,)`` explained scores.
+    """
+    with _BiasTaps() as recorder:
+        leaf, total = forward_from_inputs(model, inputs, score)
+    deltas = [delta for _, delta in recorder.taps]
+    gradients = torch.autograd.grad(total, [leaf, *deltas], allow_unused=True)
+    bias_gradients = [
+        bias.view(1, -1, 1, 1) * gradient
+        for (bias, _), gradient in zip(recorder.taps, gradients[1:], strict=True)
+        if gradient is not None
+    ]
+    return FullGradients(input_gradients=gradients[0], bias_gradients=bias_gradients)
+
+
+def _channel_normalised_sum(maps: torch.Tensor) -> torch.Tensor:
+    """``sum_c psi(maps_c)`` with ``psi`` = min-max rescaling of ``|.|``, ``(N, h, w)``."""
+    return normalize(maps.abs().flatten(0, 1)).view_as(maps).sum(dim=1)
+
+
+@register
+class FullGrad(CamMethod):
+    """FullGrad.
+
+    Paper: Srinivas and Fleuret, "Full-Gradient Representation for Neural-Network
+    Visualization", NeurIPS 2019.
+
+    With ``psi`` = absolute value, then min-max rescaling, then bilinear upsampling to the
+    input, applied to each channel ``c`` of the input term and of each layer ``l`` with a
+    bias ``b_l`` (2-D convolutions, and batch norms in eval mode)::
+
+        S(x) = sum_c psi( dy/dx (*) x )_c + sum_l sum_c psi( b_l,c * dy/dz_l,c )
+
+    at the input's resolution. The target layer plays no part. The per-channel rescaling is
+    the paper's equation and pytorch-grad-cam's ``FullGrad``; the authors' released code
+    rescales each layer as a whole before summing its channels. pytorch-grad-cam only finds
+    biases in modules of type exactly ``nn.Conv2d`` or ``nn.BatchNorm2d``, and divides by
+    ``max + 1e-7``, which shrinks channels whose values are all tiny.
+    """
+
+    name = "fullgrad"
+    paper = (
+        "Srinivas and Fleuret, Full-Gradient Representation for Neural-Network "
+        "Visualization, NeurIPS 2019"
+    )
+    needs = "input gradients and bias-gradients of all layers"
+    uses_gradients = False
+
+    def layer_map(self, data: LayerData) -> torch.Tensor:
+        decomposition = full_gradients(data.model, data.inputs, data.score)
+        size = data.inputs.shape[-2:]
+        total = _channel_normalised_sum(data.inputs * decomposition.input_gradients)
+        for bias_gradient in decomposition.bias_gradients:
+            # Upsampling is linear, so summing the channels first gives the same map, cheaper.
+            total = total + upsample(_channel_normalised_sum(bias_gradient), size)
+        return total
