@@ -287,6 +287,19 @@ def test_guided_relus_are_undone_when_the_forward_pass_fails():
     assert gradient.item() == -1.0  # a guided ReLU would pass 0
 
 
+def test_only_the_models_relus_are_guided_not_the_targets():
+    model = nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[2.0, -3.0]]))
+        model.bias.fill_(10.0)
+
+    def score(output):
+        return -F.relu(output[:, 0])  # a guided ReLU here would block the gradient -1
+
+    guided = input_gradients(model, torch.ones(1, 2), score, guided=True)
+    torch.testing.assert_close(guided, torch.tensor([[-2.0, 3.0]]))
+
+
 def channel_sum(terms: torch.Tensor, size=(9, 9)) -> torch.Tensor:
     """sum_c psi(terms_c): |.|, min-max per channel, bilinear upsampling."""
     flat = terms.abs().flatten(2)

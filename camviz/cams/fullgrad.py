@@ -67,8 +67,8 @@ def _call_bias(
 
 
 class _BiasTaps(TorchFunctionMode):
-    """Hands on ``z + delta`` for each biased call's output ``z``, with a zero ``delta`` that
-    requires grad, so that ``dy/d(delta) = dy/dz`` (the engine's trick, see
+    """Replaces the output ``z`` of each biased call by ``z + delta``, with a zero ``delta``
+    that requires grad, so that ``dy/d(delta) = dy/dz`` (the engine's trick, see
     :mod:`camviz.cams.engine`; in-place operations after the call do not disturb it).
 
     Intercepting the functional calls rather than modules covers ``nn.Conv2d``,
@@ -105,8 +105,8 @@ def full_gradients(model: nn.Module, inputs: torch.Tensor, score: ScoreFn) -> Fu
         inputs: ``(N, C, H, W)`` batch.
         score: Maps the model's output to the ``(N,)`` explained scores.
     """
-    with _BiasTaps() as recorder:
-        leaf, total = forward_from_inputs(model, inputs, score)
+    recorder = _BiasTaps()
+    leaf, total = forward_from_inputs(model, inputs, score, recorder)
     deltas = [delta for _, delta in recorder.taps]
     gradients = torch.autograd.grad(total, [leaf, *deltas], allow_unused=True)
     bias_gradients = [

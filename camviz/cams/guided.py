@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -33,9 +34,19 @@ from camviz.targets import ScoreFn
 
 
 def forward_from_inputs(
-    model: nn.Module, inputs: torch.Tensor, score: ScoreFn
+    model: nn.Module,
+    inputs: torch.Tensor,
+    score: ScoreFn,
+    during_forward: AbstractContextManager[Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the model on a copy of ``inputs`` that requires grad, with grad enabled.
+
+    Args:
+        model: The network, in the mode wanted (eval for explanations).
+        inputs: ``(N, C, H, W)`` batch.
+        score: Maps the model's output to the ``(N,)`` explained scores.
+        during_forward: A context entered for the model's forward pass only, not for the
+            score (the guided ReLUs, FullGrad's bias taps).
 
     Returns:
         ``(leaf, total)``: the copy, to differentiate with respect to, and the sum of the
@@ -47,7 +58,9 @@ def forward_from_inputs(
     """
     leaf = inputs.detach().requires_grad_()
     with torch.enable_grad():
-        total = score(model(leaf)).sum()
+        with during_forward or nullcontext():
+            output = model(leaf)
+        total = score(output).sum()
     if not total.requires_grad:
         raise CamvizError(
             "the explained score does not depend on the input; pick a target computed from "
@@ -65,13 +78,9 @@ def input_gradients(
         model: The network, in the mode wanted (eval for explanations).
         inputs: ``(N, C, H, W)`` batch.
         score: Maps the model's output to the ``(N,)`` explained scores.
-        guided: Back-propagate through rectifiers as Guided Backprop does.
+        guided: Back-propagate through the model's rectifiers as Guided Backprop does.
     """
-    if guided:
-        with guided_relus():
-            leaf, total = forward_from_inputs(model, inputs, score)
-    else:
-        leaf, total = forward_from_inputs(model, inputs, score)
+    leaf, total = forward_from_inputs(model, inputs, score, guided_relus() if guided else None)
     (gradients,) = torch.autograd.grad(total, leaf)
     return gradients
 
