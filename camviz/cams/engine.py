@@ -57,7 +57,8 @@ class Explanation:
     """The result of :func:`explain`. ``M = N * K`` maps for ``N`` inputs and ``K`` ranks.
 
     Attributes:
-        heatmaps: ``(M, H, W)`` float maps in ``[0, 1]`` at the input's size.
+        heatmaps: ``(M, H, W)`` float maps at the input's size, min-max normalised there
+            (the hottest pixel is 1; a map with no evidence is all zeros).
         layer_maps: ``(M, h, w)`` maps at the (first) target layer's resolution, after ReLU
             and per-map min-max normalisation; an all-zero map stays zero.
         maps_by_layer: ``{layer: (M, h, w)}`` for every target layer.
@@ -258,7 +259,7 @@ def explain(
     batch, ranks = recorded.scores.shape
     ids = recorded.class_ids
     return Explanation(
-        heatmaps=normalize(fused) if len(upsampled) > 1 or scales else fused,
+        heatmaps=normalize(fused),
         layer_maps=maps_by_layer[layers[0]],
         maps_by_layer=maps_by_layer,
         targets=(ids if ids is not None else torch.full((batch, ranks), -1)).reshape(-1).cpu(),

@@ -27,12 +27,16 @@ def register(cls: M) -> M:
 
 
 def get(name: str) -> type[CamMethod]:
-    """The method class registered as ``name`` (case and ``-``/``_`` are ignored)."""
-    key = name.lower().replace("-", "").replace("_", "")
+    """The method class registered as ``name`` (case, ``-``, ``_`` ignored; ``+`` = ``p``)."""
     for registered, cls in _METHODS.items():
-        if registered.replace("-", "").replace("_", "") == key:
+        if _key(registered) == _key(name):
             return cls
     raise CamvizError(f"unknown CAM method {name!r}; choose one of: {', '.join(names())}")
+
+
+def _key(name: str) -> str:
+    """How names compare: ``Grad-CAM++``, ``gradcam++`` and ``gradcam_pp`` are one method."""
+    return name.lower().replace("-", "").replace("_", "").replace("+", "p")
 
 
 def names() -> list[str]:
