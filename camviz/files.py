@@ -152,7 +152,7 @@ def explain_files(
             another run's results, or a bad method, layer or target.
     """
     out = Path(out_dir)
-    method = get_method(method).name if isinstance(method, str) else method
+    method = get_method(method).name  # an unknown name fails before any work
     items = expand(inputs, every=every, exclude=out)
     if not items:
         raise CamvizError(
@@ -177,10 +177,10 @@ def explain_files(
             batch_size=batch_size,
             workers=workers,
             writers=writers,
-            progress=progress,
+            progress=progress if context.is_main else False,  # one bar, not one per process
         )
-        if distributed.total(job.explained, context) == 0 and not done:
-            raise CamvizError(job.failure_message())
+        if distributed.total(job.explained, context) == 0 and len(todo) == len(items):
+            raise CamvizError(job.failure_message())  # nothing explained, now or before
         job.close()
         distributed.barrier(context)
         if context.is_main:

@@ -18,14 +18,18 @@ which the run reports and skips like an unreadable image.
 Every item has a *key* (its path, plus ``#frame`` for a video frame) that identifies it
 across runs, so a resumed run knows what is done; and a *name*, unique in the run, from
 which its output files are named. A folder's files keep their sub-folders in the name
-(``cat/001``, ``dog/001``), so same-named files in different class folders do not collide.
+(``cat/001``, ``dog/001``), so same-named files in different class folders do not collide;
+two inputs that would still share a name get a short hash of their path added
+(``x-3f2a9c1b``).
 """
 
 from __future__ import annotations
 
 import functools
 import glob
+import hashlib
 import os
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +116,7 @@ def expand(
         for file in _expand_one(os.fspath(source), every, skipped, lists=True):
             files.setdefault(os.path.normpath(file.path), file)
     items = []
-    for file, name in zip(files.values(), _unique([f.stem for f in files.values()]), strict=True):
+    for file, name in zip(files.values(), _unique_names(list(files.values())), strict=True):
         if file.frames is None:
             items.append(Item(path=file.path, name=name, reason=file.reason))
         else:
@@ -166,9 +170,12 @@ def _file(path: str, every: int, stem: str) -> _File:
     from camviz.video import frame_count
 
     try:
-        return _File(path, stem, frames=range(0, frame_count(path), every))
+        count = frame_count(path)
     except CamvizError as error:
         return _File(path, stem, reason=str(error))
+    if count == 0:
+        return _File(path, stem, reason=f"video {path} has no frames; check the file")
+    return _File(path, stem, frames=range(0, count, every))
 
 
 def _read_list(path: Path) -> list[str]:
@@ -203,19 +210,19 @@ def _image_suffixes() -> frozenset[str]:
     )
 
 
-def _unique(stems: Sequence[str]) -> list[str]:
-    """``stems`` with ``-2``, ``-3``... added to repeats, so no two items share a name.
+def _unique_names(files: Sequence[_File]) -> list[str]:
+    """Each file's stem, with a short hash of its path added where two files share a stem.
 
-    A suffixed name never takes a stem that another item has as its own.
+    The hash, unlike a counter, does not depend on the order of the inputs or on which
+    other files are in the run, so a resumed run with more inputs never gives a new file
+    the name (and so the output files) of one already done.
     """
-    taken = set(stems)
-    seen: set[str] = set()
-    names = []
-    for stem in stems:
-        name, count = stem, 1
-        while name in seen or (name != stem and name in taken):
-            count += 1
-            name = f"{stem}-{count}"
-        seen.add(name)
-        names.append(name)
-    return names
+    counts = Counter(file.stem for file in files)
+    return [
+        file.stem if counts[file.stem] == 1 else f"{file.stem}-{_path_hash(file.path)}"
+        for file in files
+    ]
+
+
+def _path_hash(path: str) -> str:
+    return hashlib.sha1(os.path.normpath(path).encode()).hexdigest()[:8]

@@ -103,8 +103,13 @@ class FrameReader:
             while len(self._open) >= _OPEN_VIDEOS:
                 self._open.popitem(last=False)[1][0].release()
         if not position <= index <= position + _READ_AHEAD:
-            capture.set(_cv2().CAP_PROP_POS_FRAMES, index)
-            position = index
+            cv2 = _cv2()
+            capture.set(cv2.CAP_PROP_POS_FRAMES, index)
+            position = int(capture.get(cv2.CAP_PROP_POS_FRAMES))
+            if position != index:
+                # The container does not seek to exact frames: read from the start instead.
+                capture.release()
+                capture, position = _open(path), 0
         while position < index and capture.grab():
             position += 1
         ok, frame = capture.read() if position == index else (False, None)

@@ -1,0 +1,164 @@
+"""Images per second of the folder pipeline against the model's plain inference.
+
+Run by hand (never in the tests)::
+
+    python benchmarks/bench_throughput.py          # 64 images, offline model, batch 16
+    python benchmarks/bench_throughput.py --quick  # 16 images, batch 8: a smoke run
+
+The images are crops and mirror images of the shipped photos, all 4:3 (so every batch is
+full), written to a temporary folder. Every variant reads them with the same DataLoader
+settings (``--workers`` processes that decode with :func:`camviz.images.load_image` and
+apply the model's preprocessing) and the same batch size:
+
+* ``inference``: the model alone, under ``torch.inference_mode()``;
+* ``explain_dataset``: :func:`camviz.explain_dataset` (Grad-CAM maps, held in memory);
+* ``explain, overlays``: :func:`camviz.files.explain_files` writing the overlays and the
+  manifest (``camviz explain --no-panel``);
+* ``explain, overlays + panels``: also the matplotlib panels (the CLI's default).
+
+Each variant runs once to warm up, then the variants take turns for ``--repeat`` rounds;
+each one's fastest pass counts (the least disturbed by other work on the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageOps
+from torch.utils.data import DataLoader, Dataset
+
+import camviz
+from camviz.dataset import explain_dataset
+from camviz.files import Outputs, explain_files
+from camviz.images import load_image
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def make_images(folder: Path, count: int) -> list[Path]:
+    """``count`` distinct 4:3 crops of the shipped photos, every other one mirrored."""
+    photos = [Image.open(ASSETS / name).convert("RGB") for name in ("chelsea.png", "coffee.png")]
+    paths = []
+    for number in range(count):
+        photo = photos[number % 2]
+        width = photo.width * (0.6 + 0.4 * ((number * 7) % 10) / 10)
+        height = width * 3 / 4
+        left = (photo.width - width) * ((number * 3) % 5) / 4
+        top = (photo.height - height) * ((number * 5) % 3) / 2
+        crop = photo.crop((round(left), round(top), round(left + width), round(top + height)))
+        crop = crop.resize((400, 300))
+        if number % 2:
+            crop = ImageOps.mirror(crop)
+        path = folder / f"{number:03d}.png"
+        crop.save(path)
+        paths.append(path)
+    return paths
+
+
+class Preprocessed(Dataset):
+    """Files decoded and preprocessed exactly as camviz does it, for plain inference."""
+
+    def __init__(self, paths: list[Path], preprocess: Callable) -> None:
+        self.paths = paths
+        self.preprocess = preprocess
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.preprocess(load_image(self.paths[index]))
+
+
+def best_rates(variants: dict[str, Callable[[], int]], repeat: int) -> dict[str, float]:
+    """Images per second of each variant's fastest pass.
+
+    Every variant runs once to warm up; then the variants take turns, ``repeat`` rounds,
+    so that a busy spell on the machine does not fall on one variant only.
+    """
+    for run in variants.values():
+        run()
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeat):
+        for name, run in variants.items():
+            start = time.perf_counter()
+            count = run()
+            rates[name].append(count / (time.perf_counter() - start))
+    return {name: max(values) for name, values in rates.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--images", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--workers", type=int, default=min(4, max(0, (os.cpu_count() or 1) - 1)))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="16 images, batch 8, one pass")
+    args = parser.parse_args()
+    if args.quick:
+        args.images, args.batch, args.repeat = 16, 8, 1
+    loaded = camviz.models.load()
+    folder = Path(tempfile.mkdtemp(prefix="camviz-bench-"))
+    try:
+        (folder / "images").mkdir()
+        paths = make_images(folder / "images", args.images)
+        out = folder / "out"
+
+        def inference() -> int:
+            loader = DataLoader(
+                Preprocessed(paths, loaded.preprocess),
+                batch_size=args.batch,
+                num_workers=args.workers,
+            )
+            count = 0
+            with torch.inference_mode():
+                for batch in loader:
+                    loaded.model(batch)
+                    count += len(batch)
+            return count
+
+        def maps() -> int:
+            results = explain_dataset(
+                loaded, paths, batch_size=args.batch, workers=args.workers, keep_images=False
+            )
+            return sum(result.ok for result in results)
+
+        def files(outputs: Outputs) -> Callable[[], int]:
+            def run() -> int:
+                shutil.rmtree(out, ignore_errors=True)
+                manifest = explain_files(
+                    paths, out, loaded, outputs=outputs, batch_size=args.batch, workers=args.workers
+                )
+                return manifest["counts"]["ok"]
+
+            return run
+
+        variants = {
+            "inference": inference,
+            "explain_dataset": maps,
+            "explain, overlays": files(Outputs(overlay=True, panel=False)),
+            "explain, overlays + panels": files(Outputs(overlay=True, panel=True)),
+        }
+        rates = best_rates(variants, args.repeat)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+    print(
+        f"{loaded.name}, {args.images} images of 400x300 (224x299 after preprocessing), "
+        f"batch {args.batch}, {args.workers} DataLoader workers, {torch.get_num_threads()} "
+        f"torch threads, {os.cpu_count()} CPUs, torch {torch.__version__}\n"
+    )
+    print("| variant | images/s | vs inference |")
+    print("| --- | --- | --- |")
+    for name, rate in rates.items():
+        print(f"| {name} | {rate:.1f} | {rate / rates['inference']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
