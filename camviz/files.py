@@ -255,9 +255,7 @@ class _Job:
         first = self.failures[0]["reason"]
         if len(self.failures) == 1:
             return first
-        return (
-            f"none of the {len(self.failures)} inputs could be explained; the first: {first}"
-        )
+        return f"none of the {len(self.failures)} inputs could be explained; the first: {first}"
 
     def _open(self) -> None:
         """Create the output folder, the settings and the row log, on first use."""
