@@ -21,9 +21,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_model_options(parser)
     parser.add_argument(
         "--methods",
-        default="all",
-        help="comma-separated CAM methods (see `camviz methods`), or all (the default; "
-        "perturbation methods such as scorecam are slow on a CPU)",
+        default="gradcam,gradcam++,xgradcam,layercam,eigencam,fullgrad",
+        help="comma-separated CAM methods (see `camviz methods`), or all; the default is "
+        "the quick gradient family, since perturbation methods (scorecam, sscam, ablationcam) "
+        "take seconds to minutes per image on a CPU",
     )
     parser.add_argument("--layer", default=None, help="target layer (see `camviz layers`)")
     parser.add_argument("--out", default="camviz-compare", metavar="DIR", help="output folder")
