@@ -226,8 +226,9 @@ def test_ablationcam_runs_the_layers_before_the_target_once_per_chunk(tiny_input
         camviz.explain(model, tiny_inputs, "ablationcam", layer="body", target=0, batch_size=3)
     finally:
         counter.handle.remove()
-    # Plain pass (3 rows); the check run (1 row); then per image 2 chunks of one row each.
-    assert (counter.calls, counter.rows) == (1 + 1 + 3 * 2, 3 + 1 + 3 * 2)
+    # The plain pass (3 rows), then one row per chunk: 4 channels in chunks of 3 is 2 chunks
+    # per image (the first one also carries the unablated check row, after the stem).
+    assert (counter.calls, counter.rows) == (1 + 3 * 2, 3 + 3 * 2)
 
 
 def test_ablationcam_falls_back_to_full_passes_when_the_later_layers_reject_a_batch(tiny_inputs):

@@ -6,14 +6,16 @@ import warnings
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from camviz.cams.base import CamMethod, LayerData
-from camviz.cams.layout import Layout
 from camviz.cams.perturbation import checked_batch_size, rank_scores
 from camviz.cams.registry import register
 from camviz.errors import CamvizError
 from camviz.hooks import edit
+
+# Default bound on the ablated copies of the layer output in one pass (the later layers'
+# activations for those copies come on top).
+COPIES_MEMORY = 128 * 2**20
 
 # What a failed broadcast run looks like: shape errors from the layers after the target,
 # or a target that cannot score the rows it got.
@@ -43,7 +45,8 @@ class AblationCAM(CamMethod):
     single-sample tensor that the later layers take from before the layer (ResNet's
     ``out += identity`` after ``layer4.1.bn2``). Per channel that is one pass of the layers
     *after* the target for one sample, plus ``1 / batch_size`` of a pass of the layers before
-    it; pytorch-grad-cam re-runs the whole network per channel. All ranks of a top-k target
+    it, so fewer, larger chunks cost less; pytorch-grad-cam re-runs the whole network per
+    channel. All ranks of a top-k target
     are scored from the same passes. The first chunk also carries an unablated copy, which
     must reproduce the score of the plain forward pass; if it does not, or the later layers
     reject the batch (a ``torch.cat`` with an earlier tensor, an in-place update of one), the
@@ -55,7 +58,8 @@ class AblationCAM(CamMethod):
     which departs from the paper; camviz zeroes, as the paper does.
 
     Args:
-        batch_size: Ablated copies per pass of the later layers (bounds memory).
+        batch_size: Ablated copies per pass of the later layers (bounds memory). ``None``
+            takes as many as fit in 128 MiB (``COPIES_MEMORY``), at least one.
     """
 
     name = "ablationcam"
@@ -66,8 +70,8 @@ class AblationCAM(CamMethod):
     needs = "a pass of the layers after the target per channel"
     uses_gradients = False
 
-    def __init__(self, batch_size: int = 64) -> None:
-        self.batch_size = checked_batch_size(self.name, batch_size)
+    def __init__(self, batch_size: int | None = None) -> None:
+        self.batch_size = None if batch_size is None else checked_batch_size(self.name, batch_size)
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
         return self.rank_maps([data])[0]
@@ -90,75 +94,72 @@ class AblationCAM(CamMethod):
         if data.layout is None or data.scores is None:
             raise CamvizError("ablationcam needs the layer layout and scores; run it via explain")
         batch, channels = data.activations.shape[:2]
-        device = data.activations.device
+        copy_bytes = data.activations[0].numel() * data.activations.element_size()
+        chunks = torch.arange(channels, device=data.activations.device).split(
+            self.batch_size or max(1, COPIES_MEMORY // copy_bytes)
+        )
         scores = data.activations.new_empty(len(ranks), batch, channels)
-        broadcast = None  # unknown until the first chunk has been checked
+        broadcast = None  # unknown until the first chunk has checked it
         for sample in range(batch):
-            single = data.inputs[sample : sample + 1]
-            for chunk in torch.arange(channels, device=device).split(self.batch_size):
+            for chunk in chunks:
                 if broadcast is None:
-                    broadcast = _broadcast_works(data, ranks, single, chunk, sample)
-                    if broadcast is not True:
-                        warnings.warn(
-                            f"ablationcam: the layers after {data.layer!r} do not take a batch "
-                            f"of ablated copies of one sample ({broadcast}); re-running the "
-                            "whole network per channel instead",
-                            RuntimeWarning,
-                            stacklevel=2,
-                        )
-                        broadcast = False
-                keep = _keep_mask(chunk, channels)
-                inputs = single if broadcast else single.expand(len(chunk), *single.shape[1:])
-                output = _run_ablated(data.model, data.layer, inputs, keep, data.layout)
-                samples = torch.full_like(chunk, sample)
-                scores[:, sample, chunk] = rank_scores(output, ranks, samples)
+                    checked, reason = _checked_broadcast(data, ranks, sample, chunk)
+                    broadcast = checked is not None
+                    if broadcast:
+                        scores[:, sample, chunk] = checked
+                        continue
+                    warnings.warn(
+                        f"ablationcam: the layers after {data.layer!r} do not take a batch of "
+                        f"ablated copies of one sample ({reason}); re-running the whole "
+                        "network per channel instead",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                scores[:, sample, chunk] = _ablated_pass(data, ranks, sample, chunk, broadcast)
         return scores
 
 
-def _keep_mask(channels: torch.Tensor, total: int) -> torch.Tensor:
-    """``(R, total)``: row ``r`` is False at ``channels[r]`` only; ``-1`` keeps everything."""
-    keep = torch.ones(len(channels), total, dtype=torch.bool, device=channels.device)
-    ablated = channels >= 0
-    keep[ablated.nonzero()[:, 0], channels[ablated]] = False
-    return keep
-
-
-def _run_ablated(
-    model: nn.Module, layer: str, inputs: torch.Tensor, keep: torch.Tensor, layout: Layout
-) -> object:
-    """The model's output when ``layer``'s output row ``r`` keeps only channels ``keep[r]``.
-
-    With a one-sample ``inputs`` the ``(1, ...)`` layer output broadcasts to ``R`` rows.
-    """
-    mask = layout.per_channel(keep)
-
-    def ablate(output: torch.Tensor) -> torch.Tensor:
-        return torch.where(mask, output, 0)
-
-    with edit(model, {layer: ablate}):
-        return model(inputs)
-
-
-def _broadcast_works(
+def _ablated_pass(
     data: LayerData,
     ranks: Sequence[LayerData],
-    single: torch.Tensor,
-    chunk: torch.Tensor,
     sample: int,
-) -> bool | str:
-    """``True`` if a broadcast run with an extra unablated row reproduces the plain score.
+    channels: torch.Tensor,
+    broadcast: bool,
+) -> torch.Tensor:
+    """``(K, R)`` scores of sample ``sample`` with channel ``channels[r]`` zeroed in row ``r``.
 
-    Returns:
-        ``True``, or why not (for the warning).
+    A channel of ``-1`` zeroes nothing. With ``broadcast`` the layers before the target run
+    on the one sample and its ``(1, ...)`` layer output becomes ``R`` ablated copies;
+    otherwise the whole network runs on ``R`` copies of the sample.
     """
+    single = data.inputs[sample : sample + 1]
+    inputs = single if broadcast else single.repeat(len(channels), *[1] * (single.dim() - 1))
+    rows = (channels >= 0).nonzero()[:, 0]
+    # Channels are dim 1 of (N, C, h, w) and the last dim of channels-last and token layouts.
+    last = data.layout.channel_dim != 1
+    index = (rows, ..., channels[rows]) if last else (rows, channels[rows])
+
+    def ablate(output: torch.Tensor) -> torch.Tensor:
+        copies = output.expand(len(channels), *output.shape[1:]).clone()
+        copies[index] = 0
+        return copies
+
+    with edit(data.model, {data.layer: ablate}):
+        output = data.model(inputs)
+    return rank_scores(output, ranks, torch.full_like(channels, sample))
+
+
+def _checked_broadcast(
+    data: LayerData, ranks: Sequence[LayerData], sample: int, chunk: torch.Tensor
+) -> tuple[torch.Tensor | None, str]:
+    """The chunk's scores from a broadcast pass, if an extra unablated row in it reproduces
+    the plain forward pass's score; else ``None`` and why not (for the warning)."""
     with_check = torch.cat([chunk.new_full((1,), -1), chunk])
-    keep = _keep_mask(with_check, data.activations.shape[1])
     try:
-        output = _run_ablated(data.model, data.layer, single, keep, data.layout)
-        check = rank_scores(output, ranks, torch.full_like(with_check, sample))[0, 0]
+        scores = _ablated_pass(data, ranks, sample, with_check, broadcast=True)
     except _BROADCAST_FAILURES as error:
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
-    expected = data.scores[sample]
+        return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+    check, expected = scores[0, 0], data.scores[sample]
     if not torch.isclose(check, expected, rtol=1e-3, atol=1e-4 * max(1.0, abs(float(expected)))):
-        return f"the unablated copy scored {float(check):.6g}, not {float(expected):.6g}"
-    return True
+        return None, f"the unablated copy scored {float(check):.6g}, not {float(expected):.6g}"
+    return scores[:, 1:], ""

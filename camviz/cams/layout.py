@@ -67,14 +67,6 @@ class Layout:
         patches = tensor[:, self.prefix :]
         return patches.unflatten(1, (self.height, self.width)).permute(0, 3, 1, 2)
 
-    def per_channel(self, values: torch.Tensor) -> torch.Tensor:
-        """``(K, C)`` per-channel values shaped to broadcast against a ``(K, ...)`` output."""
-        if self.kind == "nchw":
-            return values[:, :, None, None]
-        if self.kind == "nhwc":
-            return values[:, None, None, :]
-        return values[:, None, :]
-
 
 def layout_of(
     shape: Sequence[int],
