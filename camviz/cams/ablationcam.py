@@ -39,18 +39,20 @@ class AblationCAM(CamMethod):
     ``y^c < 0``; where ``y^c == 0`` the division is skipped. For a transformer layer, channel
     ``k`` is zeroed in every token, the class and register tokens included.
 
-    Cost, and the exact shortcut: nothing before the target layer depends on the ablation,
-    so it runs once per chunk, for one sample; a hook then hands the rest of the network
-    a batch of ablated copies of that sample's layer output, which broadcasts against any
-    single-sample tensor that the later layers take from before the layer (ResNet's
-    ``out += identity`` after ``layer4.1.bn2``). Per channel that is one pass of the layers
-    *after* the target for one sample, plus ``1 / batch_size`` of a pass of the layers before
-    it, so fewer, larger chunks cost less; pytorch-grad-cam re-runs the whole network per
-    channel. All ranks of a top-k target
-    are scored from the same passes. The first chunk also carries an unablated copy, which
-    must reproduce the score of the plain forward pass; if it does not, or the later layers
-    reject the batch (a ``torch.cat`` with an earlier tensor, an in-place update of one), the
-    method warns and re-runs the whole network per channel instead.
+    Cost, and the exact shortcut: nothing before the target layer depends on the ablation.
+    For each chunk of channels the layers before the target run once, on the one sample, and
+    a hook hands the layers after it a batch of ablated copies of that sample's layer
+    output, which broadcasts against any one-sample tensor that the later layers take from
+    before the layer (ResNet's ``out += identity`` after ``layer4.1.bn2``). Per channel that
+    is one pass of the layers *after* the target for one sample plus ``1 / chunk`` of a pass
+    of the layers before it, where a chunk holds 128 MiB of copies by default (a last conv
+    layer at 224 px: 300 channels or more); pytorch-grad-cam re-runs the whole network per
+    channel. All ranks of a top-k target are scored from the same passes.
+
+    The first chunk also carries an unablated copy, which must reproduce the score of the
+    plain forward pass; if it does not, or the later layers reject the batch (a
+    ``torch.cat`` with an earlier tensor, an in-place update of one), the method warns and
+    re-runs the whole network per channel instead.
 
     Compared with pytorch-grad-cam's ``AblationCAM``: the same formula and, on layers whose
     minimum activation is 0 (after a ReLU), the same maps up to float rounding. On layers
