@@ -94,6 +94,9 @@ class GradientHistory:
     tensors: dict[str, torch.Tensor]
 
 
+_NAMED_IN_WARNING = 3
+
+
 class GradientMonitor:
     """Record per-step gradient norms of layers, parameters and tensors while a model trains.
 
@@ -274,20 +277,30 @@ class GradientMonitor:
         self._count += 1
 
     def _warn(self, step: int, row: torch.Tensor, present: torch.Tensor) -> None:
+        """One warning per kind and step, naming the series flagged for the first time.
+
+        A diverging step flags every parameter at once; one line per parameter would bury
+        the message, so the first few are named and the rest counted.
+        """
         names = self._names()
         for kind, hits in _classify(row, present, self.vanishing, self.exploding).items():
-            for column in hits.nonzero().flatten().tolist():
-                if (kind, column) in self._warned:
-                    continue
-                self._warned.add((kind, column))
-                source, name = names[column]
-                warnings.warn(
-                    f"step {step}: the gradient norm of {source} {name!r} is "
-                    f"{float(row[column]):.4g}, {_describe(kind, self)} (warned once per "
-                    f"{source} and kind; GradientMonitor.flags lists every step)",
-                    GradientWarning,
-                    stacklevel=4,  # the caller of step()
-                )
+            new = [c for c in hits.nonzero().flatten().tolist() if (kind, c) not in self._warned]
+            if not new:
+                continue
+            self._warned.update((kind, column) for column in new)
+            named = ", ".join(
+                f"{names[column][0]} {names[column][1]!r} is {float(row[column]):.4g}"
+                for column in new[:_NAMED_IN_WARNING]
+            )
+            more = len(new) - _NAMED_IN_WARNING
+            warnings.warn(
+                f"step {step}: gradient norms {_describe(kind, self)}: {named}"
+                + (f" and {more} more" if more > 0 else "")
+                + " (each series is warned about once per kind; GradientMonitor.flags lists "
+                "every step)",
+                GradientWarning,
+                stacklevel=4,  # the caller of step()
+            )
 
     # -- results ---------------------------------------------------------------------------
 

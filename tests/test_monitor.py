@@ -119,8 +119,11 @@ def test_thresholds_flag_and_warn_once():
     assert (0, "vanishing", "param", "0.weight") in kinds
     assert (2, "nonfinite", "layer", "2") in kinds
     messages = [str(warning.message) for warning in caught]
-    assert sum("'2' is 1.732e+04, exploding (above 100)" in m for m in messages) == 1
+    assert (
+        sum("layer '2' is 1.732e+04" in m and "exploding (above 100)" in m for m in messages) == 1
+    )
     assert sum("param '0.weight'" in m and "vanishing" in m for m in messages) == 1
+    assert len(messages) == len({m.split(":")[0] + m.split(":")[1] for m in messages})
     model.zero_grad(set_to_none=True)
 
 
