@@ -240,7 +240,7 @@ def table(setup: Setup, repeat: int, folder: Path) -> list[str]:
         f"\n**{setup.name}**: {setup.model}, layer `{setup.layer}`, batch {setup.batch}, "
         f"{setup.size} px high. Plain inference: {cell(inference)}.\n",
         "| method | camviz (time, peak extra memory) | vs inference | pytorch-grad-cam "
-        "| torchcam | camviz vs fastest peer | max diff vs pytorch-grad-cam "
+        "| torchcam | speed-up over the fastest peer | max diff vs pytorch-grad-cam "
         "| max diff vs torchcam |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -253,7 +253,7 @@ def table(setup: Setup, repeat: int, folder: Path) -> list[str]:
         timed = [peer["seconds"] for peer in peers.values() if "seconds" in peer]
         speed = "—"
         if timed and "seconds" in ours:
-            speed = f"{min(timed) / ours['seconds']:.1f}x faster"
+            speed = f"{min(timed) / ours['seconds']:.2f}x"
         ratio = "—"
         if "seconds" in ours:
             ratio = f"{ours['seconds'] / inference['seconds']:.2f}x"
