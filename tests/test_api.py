@@ -27,3 +27,12 @@ def test_exports_stay_functions_after_every_submodule_is_imported():
             assert not hasattr(getattr(camviz, name), "__path__") and not isinstance(
                 getattr(camviz, name), type(camviz)
             ), name
+
+
+def test_readme_methods_table_is_the_registry_table():
+    from pathlib import Path
+
+    from camviz import cams
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert cams.table() in readme
