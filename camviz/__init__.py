@@ -14,11 +14,13 @@ __version__ = "0.1.0"
 # Public name -> "module:attribute". One table, read by __getattr__ and __dir__.
 _EXPORTS = {
     "CamvizError": "camviz.errors:CamvizError",
+    "Contrast": "camviz.targets:Contrast",
     "Explanation": "camviz.cams.engine:Explanation",
     "GradientMonitor": "camviz.monitor:GradientMonitor",
     "ImageResult": "camviz.dataset:ImageResult",
     "LayerTable": "camviz.layerstats:LayerTable",
     "Preprocess": "camviz.images:Preprocess",
+    "Region": "camviz.targets:Region",
     "TopK": "camviz.targets:TopK",
     "capture": "camviz.hooks:capture",
     "channel_grid": "camviz.render:channel_grid",
