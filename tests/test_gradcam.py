@@ -172,11 +172,15 @@ def test_awkward_calling_conditions_give_the_same_map_and_restore_the_model(smal
         assert torch.equal(value, bn_stats[key]), key  # train mode would update running stats
 
 
-def test_inference_tensor_inputs_work(resnet18):
+def test_inference_mode_inputs_and_callers_work(resnet18, small_batch):
+    expected = camviz.explain(resnet18, small_batch, layer="layer4").heatmaps
     with torch.inference_mode():
-        inputs = torch.randn(1, 3, 64, 64)
-    result = camviz.explain(resnet18, inputs, layer="layer4")
-    assert result.heatmaps.shape == (1, 64, 64) and result.heatmaps.max() == 1
+        inputs = small_batch.clone()
+        inside = camviz.explain(resnet18, inputs, layer="layer4").heatmaps
+        assert torch.is_inference_mode_enabled()
+    outside = camviz.explain(resnet18, inputs, layer="layer4").heatmaps
+    torch.testing.assert_close(inside, expected)
+    torch.testing.assert_close(outside, expected)
 
 
 def test_default_layer_is_the_last_spatial_one(resnet18, small_batch):

@@ -146,6 +146,18 @@ def layer_pass(
     that average over noisy or augmented inputs call it once per variant. The model must
     already be in the mode wanted (``explain`` puts it in eval mode).
     """
+    with torch.inference_mode(False):  # a caller's inference mode would stop the graph too
+        return _layer_pass(model, inputs, layers, target, gradients, output_key)
+
+
+def _layer_pass(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    layers: Sequence[str],
+    target: Target,
+    gradients: bool,
+    output_key: str | int | None,
+) -> LayerPass:
     taps = {name: _Tap(name, gradients) for name in layers}
     with edit(model, taps), torch.no_grad():
         output = model(inputs)
