@@ -646,6 +646,8 @@ def test_pytorch_grad_cam_reads_the_overwritten_bn2_output(resnet18, small_batch
 CUP = 967  # espresso
 CAT_CLASSES = [281, 282, 283, 284, 285]  # tabby, tiger cat, Persian, Siamese, Egyptian cat
 CLASS_DISCRIMINATIVE = [
+    "gradcam",
+    "ablationcam",
     "gradcam++",
     "smooth_gradcam++",
     "xgradcam",
