@@ -94,7 +94,9 @@ def test_statistics_match_torch_on_a_real_network(resnet18, small_batch, untouch
     resnet18.zero_grad(set_to_none=True)
     for name in ("layer2.0.bn1", "layer3"):
         row, output = table[name], record.activations[name]
-        expected = [output.mean(), output.std(), output.min(), output.max()]
+        expected = [
+            float(stat) for stat in (output.mean(), output.std(), output.min(), output.max())
+        ]
         assert [row.mean, row.std, row.min, row.max] == pytest.approx(expected, rel=1e-5)
         assert row.zeros == pytest.approx(float((output == 0).float().mean()))
         # bn1 is followed by an in-place ReLU: its row must hold the values before it.
