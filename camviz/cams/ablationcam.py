@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from camviz.cams.base import CamMethod, LayerData
-from camviz.cams.perturbation import checked_batch_size, rank_scores
+from camviz.cams.base import LayerData
+from camviz.cams.perturbation import PerturbationMethod, rank_scores
 from camviz.cams.registry import register
 from camviz.errors import CamvizError
 from camviz.hooks import edit
@@ -23,7 +23,7 @@ _BROADCAST_FAILURES = (RuntimeError, ValueError, IndexError, AssertionError, Cam
 
 
 @register
-class AblationCAM(CamMethod):
+class AblationCAM(PerturbationMethod):
     """Ablation-CAM: no gradients; a channel's weight is the score lost without it.
 
     Paper: Desai and Ramaswamy, "Ablation-CAM: Visual Explanations for Deep Convolutional
@@ -70,13 +70,6 @@ class AblationCAM(CamMethod):
         "via Gradient-free Localization, WACV 2020"
     )
     needs = "a pass of the layers after the target per channel"
-    uses_gradients = False
-
-    def __init__(self, batch_size: int | None = None) -> None:
-        self.batch_size = None if batch_size is None else checked_batch_size(self.name, batch_size)
-
-    def layer_map(self, data: LayerData) -> torch.Tensor:
-        return self.rank_maps([data])[0]
 
     def rank_maps(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
         activations = ranks[0].activations

@@ -13,8 +13,28 @@ from typing import Any
 
 import torch
 
-from camviz.cams.base import LayerData
+from camviz.cams.base import CamMethod, LayerData
 from camviz.errors import CamvizError
+
+
+class PerturbationMethod(CamMethod):
+    """Base of the methods that weigh channels by scoring perturbed copies.
+
+    Subclasses implement :meth:`rank_maps`, which scores every rank of a top-k target from
+    the same perturbed passes; a single rank is the one-element case.
+
+    Args:
+        batch_size: Perturbed copies per forward pass (bounds memory); ``None`` lets the
+            method choose for the device.
+    """
+
+    uses_gradients = False
+
+    def __init__(self, batch_size: int | None = None) -> None:
+        self.batch_size = None if batch_size is None else checked_batch_size(self.name, batch_size)
+
+    def layer_map(self, data: LayerData) -> torch.Tensor:
+        return self.rank_maps([data])[0]
 
 
 def checked_batch_size(method: str, batch_size: int) -> int:

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from camviz.cams.base import CamMethod, LayerData
-from camviz.cams.perturbation import checked_batch_size, rank_scores, take_rows
+from camviz.cams.base import LayerData
+from camviz.cams.perturbation import PerturbationMethod, rank_scores, take_rows
 from camviz.cams.registry import register
 from camviz.errors import CamvizError
 from camviz.maps import normalize, upsample
@@ -17,7 +17,7 @@ CPU_PASS_VALUES = 2**20
 
 
 @register
-class ScoreCAM(CamMethod):
+class ScoreCAM(PerturbationMethod):
     """Score-CAM: no gradients; each channel is weighted by what it alone lets the model see.
 
     Paper: Wang et al., "Score-CAM: Score-Weighted Visual Explanations for Convolutional
@@ -66,13 +66,6 @@ class ScoreCAM(CamMethod):
         "Networks, CVPR Workshops 2020"
     )
     needs = "a forward pass per channel (masked inputs)"
-    uses_gradients = False
-
-    def __init__(self, batch_size: int | None = None) -> None:
-        self.batch_size = None if batch_size is None else checked_batch_size(self.name, batch_size)
-
-    def layer_map(self, data: LayerData) -> torch.Tensor:
-        return self.rank_maps([data])[0]
 
     def rank_maps(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
         activations = ranks[0].activations
