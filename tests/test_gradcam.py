@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from reference import leaf_activations_and_gradients
 from torch import nn
 
 import camviz
@@ -42,20 +43,8 @@ def state_of(model: nn.Module) -> dict:
 
 def reference_gradcam(model: nn.Module, inputs: torch.Tensor, layer: str, classes) -> torch.Tensor:
     """Grad-CAM written out independently: the layer output replaced by a leaf tensor."""
-    saved = {}
-
-    def to_leaf(module, args, output):
-        saved["A"] = output.detach().clone().requires_grad_()
-        return saved["A"].clone()
-
-    handle = dict(model.named_modules())[layer].register_forward_hook(to_leaf)
-    try:
-        logits = model(inputs)
-        score = logits[torch.arange(len(classes)), torch.as_tensor(classes)].sum()
-        (gradients,) = torch.autograd.grad(score, saved["A"])
-    finally:
-        handle.remove()
-    cam = torch.relu((gradients.mean(dim=(2, 3), keepdim=True) * saved["A"]).sum(1)).detach()
+    activations, gradients = leaf_activations_and_gradients(model, inputs, layer, classes)
+    cam = torch.relu((gradients.mean(dim=(2, 3), keepdim=True) * activations).sum(1))
     low = cam.flatten(1).amin(1).view(-1, 1, 1)
     high = cam.flatten(1).amax(1).view(-1, 1, 1)
     return (cam - low) / (high - low)

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from PIL import Image
+from reference import leaf_activations_and_gradients
 from torch import nn
 
 import camviz
@@ -594,29 +595,10 @@ def test_smooth_gradcam_pp_matches_torchcam_as_the_noise_vanishes(resnet18, smal
     torch.testing.assert_close(ours.layer_maps, theirs, atol=1e-4, rtol=0)
 
 
-def reference_activations_and_gradients(model, inputs, layer, classes):
-    """A and dy/dA with the layer's output replaced by a leaf copy: in-place operations
-    after the layer cannot touch it."""
-    saved = {}
-
-    def to_leaf(module, args, output):
-        saved["A"] = output.detach().clone().requires_grad_()
-        return saved["A"].clone()
-
-    handle = dict(model.named_modules())[layer].register_forward_hook(to_leaf)
-    try:
-        logits = model(inputs)
-        score = logits[torch.arange(len(classes)), torch.as_tensor(classes)].sum()
-        (gradients,) = torch.autograd.grad(score, saved["A"])
-    finally:
-        handle.remove()
-    return saved["A"].detach(), gradients
-
-
 @pytest.mark.parametrize("method", list(PAPER_FORMULAS))
 def test_correct_on_a_layer_whose_output_is_changed_in_place(resnet18, small_batch, method):
     # ResNet's `out = bn2(out); out += identity; out = relu(out)` overwrites bn2's output.
-    a, g = reference_activations_and_gradients(resnet18, small_batch, "layer4.1.bn2", [3, 7])
+    a, g = leaf_activations_and_gradients(resnet18, small_batch, "layer4.1.bn2", [3, 7])
     result = camviz.explain(
         resnet18, small_batch, method=method, layer="layer4.1.bn2", target=[3, 7]
     )
