@@ -109,7 +109,7 @@ def build(setup: Setup) -> tuple[torch.nn.Module, torch.Tensor, list[int]]:
     if setup.model == "efficientnet_lite0":
         from PIL import Image
 
-        from camviz.models import load
+        from camviz.io.models import load
 
         loaded = load(setup.model)
         inputs = loaded.preprocess(Image.open(ROOT / "assets" / "chelsea.png").convert("RGB"))

@@ -7,12 +7,12 @@ Run by hand (never in the tests)::
 
 The images are crops and mirror images of the shipped photos, all 4:3 (so every batch is
 full), written to a temporary folder. Every variant reads them with the same DataLoader
-settings (``--workers`` processes that decode with :func:`camviz.images.load_image` and
+settings (``--workers`` processes that decode with :func:`camviz.io.images.load_image` and
 apply the model's preprocessing) and the same batch size:
 
 * ``inference``: the model alone, under ``torch.inference_mode()``;
 * ``explain_dataset``: :func:`camviz.explain_dataset` (Grad-CAM maps, held in memory);
-* ``explain, overlays``: :func:`camviz.files.explain_files` writing the overlays and the
+* ``explain, overlays``: :func:`camviz.pipeline.job.explain_files` writing the overlays and the
   manifest (``camviz explain --no-panel``);
 * ``explain, overlays + panels``: also the matplotlib panels (the CLI's default).
 
@@ -35,9 +35,9 @@ from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset
 
 import camviz
-from camviz.dataset import explain_dataset
-from camviz.files import Outputs, explain_files
-from camviz.images import load_image
+from camviz.pipeline.dataset import explain_dataset
+from camviz.pipeline.job import Outputs, explain_files
+from camviz.io.images import load_image
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
@@ -103,7 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.images, args.batch, args.repeat = 16, 8, 1
-    loaded = camviz.models.load()
+    loaded = camviz.io.models.load()
     folder = Path(tempfile.mkdtemp(prefix="camviz-bench-"))
     try:
         (folder / "images").mkdir()

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 import camviz
-from camviz.errors import CamvizError
-from camviz.localization import box_masks, energy_pointing_game, pointing_game
-from camviz.synthetic import SHIPPED_WEIGHTS, TARGET_LAYER, load_model, make_dataset
+from camviz.core.errors import CamvizError
+from camviz.evaluation.localization import box_masks, energy_pointing_game, pointing_game
+from camviz.evaluation.synthetic import SHIPPED_WEIGHTS, TARGET_LAYER, load_model, make_dataset
 
 EVALUATION_SEED = 12345
 

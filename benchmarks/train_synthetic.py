@@ -1,8 +1,8 @@
-"""Train the small CNN of the synthetic localisation benchmark; writes assets/synthetic_cnn.pt.
+"""Train the small CNN of the synthetic localisation benchmark; writes camviz/evaluation/synthetic_cnn.pt.
 
     python benchmarks/train_synthetic.py            # about a minute on 2 CPU cores
 
-Reproduces the shipped weights: the data come from fixed seeds (camviz.synthetic), the
+Reproduces the shipped weights: the data come from fixed seeds (camviz.evaluation.synthetic), the
 initial weights and the batch order from a fixed seed, and torch runs deterministic
 algorithms on one thread, so the same torch version on the same kind of CPU writes the same
 file. The held-out accuracy it prints is on a set drawn with another seed.
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 
-from camviz.render import atomic_write
-from camviz.synthetic import SHIPPED_WEIGHTS, SyntheticCNN, make_dataset
+from camviz.io.render import atomic_write
+from camviz.evaluation.synthetic import SHIPPED_WEIGHTS, SyntheticCNN, make_dataset
 
 TRAIN_SEED = 0
 HELD_OUT_SEED = 1

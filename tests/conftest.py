@@ -36,7 +36,7 @@ def resnet18() -> nn.Module:
 @pytest.fixture(scope="session")
 def offline_model():
     """The shipped, ImageNet-pretrained EfficientNet-Lite0 with preprocessing and class names."""
-    from camviz.models import load
+    from camviz.io.models import load
 
     return load("efficientnet_lite0")
 

@@ -20,13 +20,13 @@ from PIL import Image
 
 import camviz
 from camviz.cli import main
-from camviz.dataset import _Buckets, _Sample, explain_dataset
-from camviz.distributed import Context, shard
-from camviz.errors import CamvizError
-from camviz.files import save_heatmap
-from camviz.images import load_image
-from camviz.inputs import expand
-from camviz.writer import Writer
+from camviz.pipeline.dataset import _Buckets, _Sample, explain_dataset
+from camviz.pipeline.distributed import Context, shard
+from camviz.core.errors import CamvizError
+from camviz.pipeline.job import save_heatmap
+from camviz.io.images import load_image
+from camviz.pipeline.inputs import expand
+from camviz.pipeline.writer import Writer
 
 MODEL = "mobilenet_v3_small"
 
@@ -152,7 +152,7 @@ class CountingDataset(torch.utils.data.Dataset):
 def test_explain_dataset_is_lazy_matches_single_images_and_leaves_model(
     tmp_path, make_photos, untouched, tiny_mobilenet
 ):
-    model = camviz.models.load(MODEL, weights=tiny_mobilenet).model.train()
+    model = camviz.io.models.load(MODEL, weights=tiny_mobilenet).model.train()
     model.features[0][0].weight.requires_grad_(False)
     paths = make_photos(tmp_path, {f"{n}.png": (40, 30) if n < 4 else (30, 40) for n in range(6)})
     dataset = CountingDataset([load_image(path) for path in paths])
@@ -227,7 +227,7 @@ def test_folder_with_bad_files_gives_a_row_for_each(mixed_folder, tmp_path, tiny
     assert summary["complete"] and summary["counts"] == {"ok": 4, "error": 3}
     assert [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()] == rows
 
-    loaded = camviz.models.load(MODEL, weights=tiny_mobilenet)
+    loaded = camviz.io.models.load(MODEL, weights=tiny_mobilenet)
     for row in rows:
         if row["status"] != "ok":
             assert row["files"] == [] and row["prediction"] is None
@@ -267,12 +267,12 @@ def test_resume_refuses_a_folder_made_with_other_settings(tmp_path, make_photos,
 
 KILLED_RUN = """
 import os, signal, sys
-import camviz.files
+import camviz.pipeline.job
 from camviz.cli import main
-from camviz.render import atomic_write
+from camviz.io.render import atomic_write
 
 saved = 0
-real_save = camviz.files._save_png
+real_save = camviz.pipeline.job._save_png
 
 def save_then_die(image, path):
     # Die like a killed process: in the middle of writing the third overlay.
@@ -285,7 +285,7 @@ def save_then_die(image, path):
         file.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
-camviz.files._save_png = save_then_die
+camviz.pipeline.job._save_png = save_then_die
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -13,9 +13,9 @@ from camviz.cli import main
 # process's shard recorded, to show that the processes split the work.
 LAUNCHED = """
 import json, os, runpy
-import camviz.distributed
+import camviz.pipeline.distributed
 
-real_shard = camviz.distributed.shard
+real_shard = camviz.pipeline.distributed.shard
 
 def recorded_shard(indices, context):
     mine = real_shard(indices, context)
@@ -23,7 +23,7 @@ def recorded_shard(indices, context):
         json.dump({"todo": list(indices), "mine": mine, "world": context.world_size}, file)
     return mine
 
-camviz.distributed.shard = recorded_shard
+camviz.pipeline.distributed.shard = recorded_shard
 runpy.run_module("camviz", run_name="__main__", alter_sys=True)
 """
 

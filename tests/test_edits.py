@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from camviz.edits import add_noise, clamp, keep_channels, spatial_mask, zero_channels
-from camviz.errors import CamvizError
-from camviz.hooks import capture, edit
-from camviz.layerstats import inspect
+from camviz.debug.edits import add_noise, clamp, keep_channels, spatial_mask, zero_channels
+from camviz.core.errors import CamvizError
+from camviz.core.hooks import capture, edit
+from camviz.debug.layerstats import inspect
 
 
 def tiny_cnn() -> nn.Sequential:

@@ -13,12 +13,12 @@ from torch import nn
 from torchvision.models.feature_extraction import create_feature_extractor
 
 import camviz.cli
-from camviz.errors import CamvizError
-from camviz.extraction import features
-from camviz.hooks import capture
-from camviz.images import load_image
-from camviz.models import load
-from camviz.render import channel_grid
+from camviz.core.errors import CamvizError
+from camviz.debug.extraction import features
+from camviz.core.hooks import capture
+from camviz.io.images import load_image
+from camviz.io.models import load
+from camviz.io.render import channel_grid
 
 
 def classic_4x4_model() -> nn.Sequential:

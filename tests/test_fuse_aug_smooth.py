@@ -9,8 +9,8 @@ import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 
 import camviz
-from camviz.errors import CamvizError
-from camviz.targets import Region
+from camviz.core.errors import CamvizError
+from camviz.core.targets import Region
 
 
 def min_max(maps: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from reference import leaf_activations_and_gradients
 from torch import nn
 
 import camviz
-from camviz.errors import CamvizError
+from camviz.core.errors import CamvizError
 
 
 class ConvPoolLinear(nn.Module):

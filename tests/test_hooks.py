@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import camviz
-from camviz.errors import CamvizError
+from camviz.core.errors import CamvizError
 
 
 def hook_count(model: nn.Module) -> int:

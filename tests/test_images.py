@@ -1,4 +1,4 @@
-"""camviz.images: every common image mode read back as the RGB pixels it should be."""
+"""camviz.io.images: every common image mode read back as the RGB pixels it should be."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from PIL import Image, ImageFile
 
-from camviz.errors import CamvizError
-from camviz.images import (
+from camviz.core.errors import CamvizError
+from camviz.io.images import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     Preprocess,

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import camviz.cli
-from camviz.errors import CamvizError
-from camviz.hooks import capture
-from camviz.layerstats import find_first_nonfinite, inspect, tensor_stats
+from camviz.core.errors import CamvizError
+from camviz.core.hooks import capture
+from camviz.debug.layerstats import find_first_nonfinite, inspect, tensor_stats
 
 
 def hand_model() -> nn.Sequential:

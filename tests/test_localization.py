@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import camviz
-from camviz.errors import CamvizError
-from camviz.localization import box_masks, energy_pointing_game, pointing_game
-from camviz.synthetic import TARGET_LAYER, load_model, make_dataset
+from camviz.core.errors import CamvizError
+from camviz.evaluation.localization import box_masks, energy_pointing_game, pointing_game
+from camviz.evaluation.synthetic import TARGET_LAYER, load_model, make_dataset
 
 # A 4x4 map whose maximum (9) is at row 1, column 2.
 MAP = torch.tensor(

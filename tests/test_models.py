@@ -18,9 +18,9 @@ import torch
 import torchvision
 from torch import nn
 
-from camviz import models
-from camviz.errors import CamvizError
-from camviz.images import load_image
+from camviz.io import models
+from camviz.core.errors import CamvizError
+from camviz.io.images import load_image
 
 IMAGENET_CATS = range(281, 286)  # tabby, tiger cat, Persian, Siamese, Egyptian cat
 ESPRESSO = 967
@@ -400,7 +400,9 @@ def test_available_lists_the_offline_model_and_every_torchvision_classifier():
 
 
 def test_importing_models_does_not_import_torchvision_or_timm():
-    probe = "import sys, camviz.models; print('torchvision' in sys.modules, 'timm' in sys.modules)"
+    probe = (
+        "import sys, camviz.io.models; print('torchvision' in sys.modules, 'timm' in sys.modules)"
+    )
     result = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True
     )

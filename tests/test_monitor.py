@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 
-from camviz.errors import CamvizError
-from camviz.monitor import GradientMonitor, GradientWarning
+from camviz.core.errors import CamvizError
+from camviz.debug.monitor import GradientMonitor, GradientWarning
 
 
 def mlp() -> nn.Sequential:

@@ -1,4 +1,4 @@
-"""camviz.render: colours, blends and grids checked pixel by pixel; writes that are atomic."""
+"""camviz.io.render: colours, blends and grids checked pixel by pixel; writes that are atomic."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 from matplotlib.figure import Figure
 from PIL import Image
 
-from camviz import render
-from camviz.errors import CamvizError
-from camviz.render import (
+from camviz.io import render
+from camviz.core.errors import CamvizError
+from camviz.io.render import (
     atomic_write,
     channel_figure,
     channel_grid,

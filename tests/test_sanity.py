@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from scipy import ndimage, stats
 
-from camviz.errors import CamvizError
-from camviz.sanity import cascading_randomization, spearman, ssim
-from camviz.synthetic import TARGET_LAYER, load_model, make_dataset
+from camviz.core.errors import CamvizError
+from camviz.evaluation.sanity import cascading_randomization, spearman, ssim
+from camviz.evaluation.synthetic import TARGET_LAYER, load_model, make_dataset
 
 
 def sobel_map(model, inputs, target):

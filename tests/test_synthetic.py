@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from camviz.errors import CamvizError
-from camviz.synthetic import CLASSES, SHIPPED_WEIGHTS, SyntheticCNN, load_model, make_dataset
+from camviz.core.errors import CamvizError
+from camviz.evaluation.synthetic import (
+    CLASSES,
+    SHIPPED_WEIGHTS,
+    SyntheticCNN,
+    load_model,
+    make_dataset,
+)
 
 
 @pytest.fixture(scope="module")

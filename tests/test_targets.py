@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import camviz
-from camviz.errors import CamvizError
-from camviz.targets import Contrast, Region, TopK, as_logits, class_ids, score_fns
+from camviz.core.errors import CamvizError
+from camviz.core.targets import Contrast, Region, TopK, as_logits, class_ids, score_fns
 
 LOGITS = torch.tensor([[0.5, 3.0, -1.0, 2.0], [4.0, 0.0, 1.0, -2.0]])
 

@@ -16,8 +16,8 @@ from torchvision.models.vision_transformer import VisionTransformer
 
 import camviz
 from camviz.cams.layout import Layout, as_spatial, layout_of, patch_size
-from camviz.errors import CamvizError
-from camviz.layers import default_target_layer
+from camviz.core.errors import CamvizError
+from camviz.core.layers import default_target_layer
 
 
 def _timm_vit() -> nn.Module:

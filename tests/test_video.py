@@ -11,7 +11,7 @@ from PIL import Image
 
 import camviz
 from camviz.cli import main
-from camviz.video import FrameReader
+from camviz.io.video import FrameReader
 
 FRAMES = 7
 SIZE = (64, 48)  # width, height
@@ -73,7 +73,7 @@ def test_video_gives_a_row_per_frame_and_an_overlay_video(clip, tmp_path, tiny_m
         (str(clip), frame, "ok") for frame in explained_frames
     ]
 
-    loaded = camviz.models.load("mobilenet_v3_small", weights=tiny_mobilenet)
+    loaded = camviz.io.models.load("mobilenet_v3_small", weights=tiny_mobilenet)
     frames = decoded_frames(clip)
     for row in rows:
         image = Image.fromarray(np.ascontiguousarray(frames[row["frame"]]))

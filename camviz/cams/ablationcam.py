@@ -10,8 +10,8 @@ import torch
 from camviz.cams.base import LayerData
 from camviz.cams.perturbation import PerturbationMethod, rank_scores
 from camviz.cams.registry import register
-from camviz.errors import CamvizError
-from camviz.hooks import edit
+from camviz.core.errors import CamvizError
+from camviz.core.hooks import edit
 
 # Default bound on the ablated copies of the layer output in one pass (the later layers'
 # activations for those copies come on top).

@@ -4,7 +4,7 @@ How the gradient ``dy/dA`` at a target layer is obtained, and why this way:
 
 1. The model runs under ``torch.no_grad()``: the part of the network *before* the target
    layer keeps no autograd graph at all, so memory stays that of plain inference.
-2. A forward hook on the target layer (an :func:`camviz.hooks.edit`) copies the output
+2. A forward hook on the target layer (an :func:`camviz.core.hooks.edit`) copies the output
    ``A``, switches grad mode on, and hands the rest of the network ``A + delta`` where
    ``delta`` is a zero tensor that requires grad. From there on autograd records the graph.
 3. ``torch.autograd.grad(y.sum(), delta)`` gives ``dy/d(A + delta) = dy/dA`` - for every
@@ -37,12 +37,12 @@ from torch import nn
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.layout import as_spatial, layout_of, patch_size
 from camviz.cams.registry import get
-from camviz.errors import CamvizError
-from camviz.hooks import detach_to, edit
-from camviz.layers import default_target_layer, resolve_layers
-from camviz.maps import normalize, upsample
-from camviz.modelstate import eval_mode
-from camviz.targets import Contrast, Region, ScoreFn, Target, score_fns
+from camviz.core.errors import CamvizError
+from camviz.core.hooks import detach_to, edit
+from camviz.core.layers import default_target_layer, resolve_layers
+from camviz.core.maps import normalize, upsample
+from camviz.core.modelstate import eval_mode
+from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 
 Fuse = Literal["mean", "max"]
 
@@ -220,11 +220,11 @@ def explain(
         method: A registry name (:func:`camviz.cams.names`) or a method instance.
         layer: Target layer name(s) or wildcard pattern(s). ``None`` picks the last layer
             with a spatial output, or for a vision transformer the norm before its last
-            attention (:func:`camviz.layers.default_target_layer`; found once per model
+            attention (:func:`camviz.core.layers.default_target_layer`; found once per model
             with a one-sample dry run).
-        target: What to explain; see :mod:`camviz.targets` (class id, list of ids, ``None``
-            for top-1, ``"top3"``, :class:`~camviz.targets.Region`,
-            :class:`~camviz.targets.Contrast`, or a callable ``output -> (N,) scores``).
+        target: What to explain; see :mod:`camviz.core.targets` (class id, list of ids, ``None``
+            for top-1, ``"top3"``, :class:`~camviz.core.targets.Region`,
+            :class:`~camviz.core.targets.Contrast`, or a callable ``output -> (N,) scores``).
         output_key: For models whose output is a tuple or dict: where the logits are.
         fuse: How maps of several layers combine (``"mean"`` or ``"max"``): each layer's
             normalised map is upsampled to the input size, then the mean or the pixel-wise

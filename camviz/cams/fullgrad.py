@@ -15,8 +15,8 @@ from torch.overrides import TorchFunctionMode
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.guided import forward_from_inputs
 from camviz.cams.registry import register
-from camviz.maps import normalize, upsample
-from camviz.targets import ScoreFn
+from camviz.core.maps import normalize, upsample
+from camviz.core.targets import ScoreFn
 
 _BATCH_NORM = inspect.signature(F.batch_norm)
 

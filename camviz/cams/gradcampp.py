@@ -7,7 +7,7 @@ import torch
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.engine import layer_pass
 from camviz.cams.registry import register
-from camviz.errors import CamvizError
+from camviz.core.errors import CamvizError
 
 
 def plusplus_map(

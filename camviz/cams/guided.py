@@ -28,9 +28,9 @@ from torch.overrides import TorchFunctionMode
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.gradcam import GradCAM
 from camviz.cams.registry import register
-from camviz.errors import CamvizError
-from camviz.maps import upsample
-from camviz.targets import ScoreFn
+from camviz.core.errors import CamvizError
+from camviz.core.maps import upsample
+from camviz.core.targets import ScoreFn
 
 
 def forward_from_inputs(

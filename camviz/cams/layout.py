@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from camviz.errors import CamvizError
+from camviz.core.errors import CamvizError
 
 Kind = Literal["nchw", "nhwc", "tokens"]
 

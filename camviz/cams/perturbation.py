@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from camviz.cams.base import CamMethod, LayerData
-from camviz.errors import CamvizError
+from camviz.core.errors import CamvizError
 
 
 class PerturbationMethod(CamMethod):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, TypeVar
 
-from camviz.errors import CamvizError
+from camviz.core.errors import CamvizError
 
 if TYPE_CHECKING:
     from camviz.cams.base import CamMethod

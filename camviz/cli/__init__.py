@@ -5,7 +5,7 @@ Each subcommand is a module of this package with ``add_parser(subparsers)`` and
 Subcommands only parse arguments and call the Python API, and they import torch inside
 ``run``, so that ``camviz --help`` answers at once.
 
-A :class:`~camviz.errors.CamvizError` (a user mistake) is printed as one line on stderr
+A :class:`~camviz.core.errors.CamvizError` (a user mistake) is printed as one line on stderr
 with exit status 1; argument errors exit with 2, as argparse does.
 """
 
@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from camviz import __version__
-from camviz.errors import CamvizError
+from camviz.core.errors import CamvizError
 
 SUBCOMMANDS = ("explain", "layers", "methods", "features", "inspect", "compare")
 

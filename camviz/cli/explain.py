@@ -104,11 +104,11 @@ def _not_negative(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from camviz import distributed
+    from camviz.pipeline import distributed
     from camviz.cli.options import load_model
-    from camviz.errors import CamvizError
-    from camviz.files import Outputs, RenderOptions, explain_files
-    from camviz.render import check_render_options
+    from camviz.core.errors import CamvizError
+    from camviz.pipeline.job import Outputs, RenderOptions, explain_files
+    from camviz.io.render import check_render_options
 
     check_render_options(args.alpha, args.colormap)
     outputs = Outputs(overlay=args.overlay, panel=args.panel, heatmap=args.heatmap)

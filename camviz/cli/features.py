@@ -50,9 +50,9 @@ def run(args: argparse.Namespace) -> int:
 
     from camviz.cams.layout import as_spatial, patch_size
     from camviz.cli.options import load_model
-    from camviz.extraction import features
-    from camviz.images import load_image
-    from camviz.render import channel_figure, channel_grid, save
+    from camviz.debug.extraction import features
+    from camviz.io.images import load_image
+    from camviz.io.render import channel_figure, channel_grid, save
 
     image = load_image(args.image)
     loaded = load_model(args)

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from camviz.cli.options import load_model
-    from camviz.layers import layer_shapes
+    from camviz.core.layers import layer_shapes
 
     loaded = load_model(args)
     inputs = torch.zeros(1, 3, args.size, args.size)

@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from camviz.models import LoadedModel
+    from camviz.io.models import LoadedModel
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +27,6 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 
 def load_model(args: argparse.Namespace) -> LoadedModel:
     """The model named by ``--model``/``--weights``."""
-    from camviz.models import load
+    from camviz.io.models import load
 
     return load(args.model, weights=args.weights)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from camviz.errors import CamvizError
+from camviz.core.errors import CamvizError
 
 #: Codec for each video container camviz writes.
 FOURCC = {".mp4": "mp4v", ".avi": "MJPG"}

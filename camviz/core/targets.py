@@ -35,7 +35,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from camviz.errors import CamvizError
+from camviz.core.errors import CamvizError
 
 ScoreFn = Callable[..., torch.Tensor]
 """``fn(output, samples=None) -> (R,)`` scores of the ``R`` rows of a model output."""
@@ -231,7 +231,7 @@ def _class_scores(output: Any, output_key: str | int | None) -> torch.Tensor:
         raise CamvizError(
             f"class-id targets need (N, classes) scores, but the model output has shape "
             f"{tuple(logits.shape)}; for a segmentation output use "
-            "camviz.targets.Region(class_id, mask), or pass a callable target"
+            "camviz.core.targets.Region(class_id, mask), or pass a callable target"
         )
     return logits
 

@@ -29,10 +29,10 @@ from torch import nn
 
 from camviz.cams.base import CamMethod
 from camviz.cams.engine import explain
-from camviz.errors import CamvizError
-from camviz.layers import resolve_layers
-from camviz.modelstate import HookSet, eval_mode
-from camviz.targets import Target, TopK
+from camviz.core.errors import CamvizError
+from camviz.core.layers import resolve_layers
+from camviz.core.modelstate import HookSet, eval_mode
+from camviz.core.targets import Target, TopK
 
 Explainer = Callable[[nn.Module, torch.Tensor, Target], torch.Tensor]
 """``fn(model, inputs, target) -> (N, H, W)`` maps: any saliency method, not only a CAM."""
@@ -239,7 +239,7 @@ def _fixed_target(target: Target, model: nn.Module, inputs: torch.Tensor) -> Tar
     """Top-1 and top-k as the trained model's class ids; any other target as it is."""
     if not (target is None or isinstance(target, (str, TopK))):
         return target
-    from camviz.targets import as_logits, class_ids
+    from camviz.core.targets import as_logits, class_ids
 
     with eval_mode(model), torch.inference_mode():
         logits = as_logits(model(inputs))

@@ -24,7 +24,7 @@ Pretrained downloads go through torch hub and the Hugging Face hub. Both write t
 temporary file and move it into the cache only when it is complete, so a failed download
 never leaves a broken checkpoint behind (torch hub deletes its ``.partial`` file; the
 Hugging Face hub keeps an ``.incomplete`` one to resume from). A failure is a
-:class:`~camviz.errors.CamvizError` saying what to do instead.
+:class:`~camviz.core.errors.CamvizError` saying what to do instead.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from camviz.errors import CamvizError, first_line
+from camviz.core.errors import CamvizError, first_line
 
 if TYPE_CHECKING:
-    from camviz.images import Preprocess
+    from camviz.io.images import Preprocess
 
 #: The model :func:`load` gives when no name is passed; it needs no download.
 OFFLINE_MODEL = "efficientnet_lite0"
@@ -59,7 +59,7 @@ _OFFLINE_ARCHITECTURE = "tf_efficientnet_lite0"
 
 # Grad-CAM layers known to give good maps: the last spatial feature map, before pooling.
 # Patterns are matched against torchvision names in order; models not listed get None and
-# the engine picks a layer with one dry run (camviz.layers.default_target_layer).
+# the engine picks a layer with one dry run (camviz.core.layers.default_target_layer).
 _DEFAULT_LAYERS = {
     "resnet*": "layer4",
     "resnext*": "layer4",
@@ -257,7 +257,7 @@ def _torchvision_names() -> list[str]:
 def _torchvision_architecture(name: str) -> _Architecture:
     from torchvision.models import get_model, get_model_weights
 
-    from camviz.images import Preprocess
+    from camviz.io.images import Preprocess
 
     names = _torchvision_names()
     if name not in names:
@@ -298,7 +298,7 @@ def _timm_architecture(name: str) -> _Architecture:
     import timm
     from timm.models import get_pretrained_cfg
 
-    from camviz.images import Preprocess
+    from camviz.io.images import Preprocess
 
     if not timm.is_model(name):
         raise CamvizError(_unknown_timm_message(name, timm.list_models()))

@@ -1,4 +1,4 @@
-"""Ready-made edits for :func:`camviz.hooks.edit`: what to do to a layer's output.
+"""Ready-made edits for :func:`camviz.core.hooks.edit`: what to do to a layer's output.
 
 Each function returns a callable ``output -> new output`` to use as a value of the mapping
 that ``camviz.edit`` takes::
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 
-from camviz.errors import CamvizError
-from camviz.hooks import EditFn
+from camviz.core.errors import CamvizError
+from camviz.core.hooks import EditFn
 
 
 def zero_channels(channels: int | Sequence[int], *, dim: int = 1) -> EditFn:

@@ -35,12 +35,12 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from camviz.cams.engine import explain
-from camviz.errors import CamvizError, first_line
-from camviz.images import MAX_PIXELS, PathLike, Preprocess, load_image
-from camviz.inputs import Item, expand
-from camviz.models import LoadedModel
-from camviz.targets import Target, as_logits
-from camviz.video import FrameReader
+from camviz.core.errors import CamvizError, first_line
+from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
+from camviz.pipeline.inputs import Item, expand
+from camviz.io.models import LoadedModel
+from camviz.core.targets import Target, as_logits
+from camviz.io.video import FrameReader
 
 #: How many predictions each result keeps, best first.
 TOP_PREDICTIONS = 5
@@ -110,10 +110,10 @@ class ImageResult:
 
 
 class ItemDataset(Dataset):
-    """Reads :class:`~camviz.inputs.Item` s: image files, and frames of videos.
+    """Reads :class:`~camviz.pipeline.inputs.Item` s: image files, and frames of videos.
 
     ``dataset[i]`` is the upright RGB image of item ``i``; an unreadable one raises a
-    :class:`~camviz.errors.CamvizError` saying why.
+    :class:`~camviz.core.errors.CamvizError` saying why.
     """
 
     def __init__(self, items: Sequence[Item], *, max_pixels: int | None = MAX_PIXELS) -> None:
@@ -219,7 +219,7 @@ def explain_dataset(
         model: A model from :func:`camviz.models.load` (its preprocessing, class names and
             default layer are used), or any ``nn.Module`` classifier. It is handed back as
             it came; move it to the GPU first to explain there.
-        data: Paths (files, folders, globs, path lists, videos; see :mod:`camviz.inputs`),
+        data: Paths (files, folders, globs, path lists, videos; see :mod:`camviz.pipeline.inputs`),
             or a ``Dataset`` giving PIL images, preprocessed ``(C, H, W)`` tensors, or
             ``(image, label)`` pairs (``torchvision.datasets.ImageFolder(root)`` works).
         preprocess: PIL image to ``(3, H, W)`` tensor; by default the loaded model's, or

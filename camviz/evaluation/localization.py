@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from camviz.errors import CamvizError
+from camviz.core.errors import CamvizError
 
 
 def box_masks(boxes: torch.Tensor, height: int, width: int) -> torch.Tensor:

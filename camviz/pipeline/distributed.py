@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from camviz.errors import CamvizError
+from camviz.core.errors import CamvizError
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,10 @@ from matplotlib.figure import Figure
 from PIL import Image
 from torchvision.utils import make_grid, save_image
 
-from camviz.errors import CamvizError
-from camviz.images import to_rgb
-from camviz.maps import normalize as normalize_maps
-from camviz.maps import upsample
+from camviz.core.errors import CamvizError
+from camviz.io.images import to_rgb
+from camviz.core.maps import normalize as normalize_maps
+from camviz.core.maps import upsample
 
 Heatmap: TypeAlias = torch.Tensor | np.ndarray
 Order = Literal["first", "strongest"]

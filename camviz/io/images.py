@@ -40,7 +40,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF  # noqa: N812 - the conventional name
 
-from camviz.errors import CamvizError, first_line
+from camviz.core.errors import CamvizError, first_line
 
 #: Default largest image, in pixels, that :func:`load_image` decodes (64 megapixels is
 #: well above any camera photo and about 200 MB of RGB).

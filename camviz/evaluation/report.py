@@ -31,12 +31,12 @@ from PIL import Image
 
 from camviz.cams.engine import explain
 from camviz.cams.registry import get
-from camviz.errors import CamvizError
-from camviz.images import load_image
-from camviz.metrics import confidence, deletion, insertion, win_rate
-from camviz.models import LoadedModel
-from camviz.render import atomic_write, overlay
-from camviz.targets import as_logits
+from camviz.core.errors import CamvizError
+from camviz.io.images import load_image
+from camviz.evaluation.metrics import confidence, deletion, insertion, win_rate
+from camviz.io.models import LoadedModel
+from camviz.io.render import atomic_write, overlay
+from camviz.core.targets import as_logits
 
 REPORT = "report.html"
 METRICS = "metrics.csv"

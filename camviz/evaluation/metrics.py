@@ -20,7 +20,7 @@ literally and changes the pixels the map ranks highest, then watches the explain
 Every function takes a batch: ``inputs`` ``(N, C, H, W)`` as the model takes them, one map
 per input (``(N, H, W)`` at any resolution, upsampled bilinearly) and one target per input
 (a class id, one id per input, ``None`` for each input's top-1 class, or anything
-:mod:`camviz.targets` accepts that gives one score per input). For the maps of a top-k
+:mod:`camviz.core.targets` accepts that gives one score per input). For the maps of a top-k
 :class:`~camviz.Explanation`, pass ``inputs[result.samples]`` and ``target=result.targets``.
 
 Scores are softmax probabilities of the target class by default, as in both papers;
@@ -41,10 +41,10 @@ import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 from torchvision.transforms.v2 import functional as TF  # noqa: N812 - the conventional name
 
-from camviz.errors import CamvizError
-from camviz.maps import upsample
-from camviz.modelstate import eval_mode
-from camviz.targets import Target, as_logits, score_fns
+from camviz.core.errors import CamvizError
+from camviz.core.maps import upsample
+from camviz.core.modelstate import eval_mode
+from camviz.core.targets import Target, as_logits, score_fns
 
 Score = Literal["probability", "logit"]
 Baseline: TypeAlias = float | torch.Tensor | Literal["blur", "mean"]

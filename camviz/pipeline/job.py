@@ -1,7 +1,7 @@
 """Explain images, folders and videos into an output folder: the job behind ``camviz explain``.
 
 What the folder receives, for an input named ``NAME`` (its file stem; a folder's files keep
-their sub-folders, see :mod:`camviz.inputs`):
+their sub-folders, see :mod:`camviz.pipeline.inputs`):
 
 * ``NAME_overlay.png``: the heatmap over the photo, at the photo's own size;
 * ``NAME_panel.png``: image | heatmap | overlay, titled with the class and its probability;
@@ -13,7 +13,7 @@ their sub-folders, see :mod:`camviz.inputs`):
 * for a video ``clip.mp4``: per explained frame ``clip_frames/000012_overlay.png`` (and
   the heatmap), no panel; and ``clip_overlay.mp4``, made of those overlays;
 * ``manifest.jsonl``: one row per input, written as soon as its files are (see
-  :mod:`camviz.manifest`): ``input``, ``frame``, ``status`` (``ok`` or ``error``),
+  :mod:`camviz.pipeline.manifest`): ``input``, ``frame``, ``status`` (``ok`` or ``error``),
   ``reason``, ``size``, ``prediction`` (top-1), ``top5``, ``explained`` (the explained
   classes with ``id``, ``name``, ``score``, ``probability`` and their ``files``), ``files``,
   ``layers`` and ``seconds`` (decoding plus the image's share of its batch);
@@ -22,7 +22,7 @@ their sub-folders, see :mod:`camviz.inputs`):
 
 **Unreadable inputs** are skipped and get a row with the reason. If *no* input can be
 explained (one bad file, a folder of bad files) the job raises a
-:class:`~camviz.errors.CamvizError` and writes nothing, as before any other user mistake:
+:class:`~camviz.core.errors.CamvizError` and writes nothing, as before any other user mistake:
 the output folder is created only once the first image is explained, and a mistake in the
 method, layer or target surfaces there.
 
@@ -33,7 +33,7 @@ half-written ones. A folder made with other settings (model, method, layer, targ
 is drawn) is refused rather than mixed.
 
 **Several processes.** Under ``torchrun`` each process explains its shard (see
-:mod:`camviz.distributed`) and writes its own rows; the rank-0 process merges them and
+:mod:`camviz.pipeline.distributed`) and writes its own rows; the rank-0 process merges them and
 writes the videos and ``manifest.json``. The output folder must be one that every process
 sees (on several machines, a shared file system).
 """
@@ -53,16 +53,16 @@ import numpy as np
 import torch
 from PIL import Image
 
-from camviz import distributed, manifest
+from camviz.pipeline import distributed, manifest
 from camviz.cams import get as get_method
-from camviz.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
-from camviz.errors import CamvizError
-from camviz.images import PathLike
-from camviz.inputs import Item, expand
-from camviz.models import LoadedModel
-from camviz.render import atomic_write, overlay, panel, save
-from camviz.targets import Target
-from camviz.video import frame_rate, write_video
+from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
+from camviz.core.errors import CamvizError
+from camviz.io.images import PathLike
+from camviz.pipeline.inputs import Item, expand
+from camviz.io.models import LoadedModel
+from camviz.io.render import atomic_write, overlay, panel, save
+from camviz.core.targets import Target
+from camviz.io.video import frame_rate, write_video
 
 #: The run's summary: settings, and every row once the run is complete.
 MANIFEST = "manifest.json"
@@ -214,7 +214,7 @@ class _Job:
         self.explained = 0
 
     def run(self, indices: list[int], *, writers: int, **options: Any) -> None:
-        from camviz.writer import Writer
+        from camviz.pipeline.writer import Writer
 
         results = explain_dataset(
             self.loaded,

@@ -10,7 +10,7 @@ is right must have looked at it.
 
 Everything is drawn with torch from one seeded generator: the same ``seed`` gives the same
 images on any machine. :class:`SyntheticCNN` is the small network trained on it by
-``benchmarks/train_synthetic.py``; its weights ship as ``assets/synthetic_cnn.pt`` (see
+``benchmarks/train_synthetic.py``; its weights ship inside the package as ``synthetic_cnn.pt`` (see
 :data:`SHIPPED_WEIGHTS`), and ``benchmarks/eval_localization.py`` scores every CAM method on it.
 """
 
@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 
-from camviz.errors import CamvizError
+from camviz.core.errors import CamvizError
 
 #: The object classes, in label order.
 CLASSES = ("disc", "square", "triangle", "cross")
 
 #: Where the trained weights are in a source checkout of camviz.
-SHIPPED_WEIGHTS = Path(__file__).resolve().parent.parent / "assets" / "synthetic_cnn.pt"
+SHIPPED_WEIGHTS = Path(__file__).resolve().parent / "synthetic_cnn.pt"
 
 #: The layer whose maps the benchmark explains: the last 16 x 16 feature map.
 TARGET_LAYER = "features"
@@ -159,7 +159,7 @@ def load_model(weights: str | Path | None = SHIPPED_WEIGHTS) -> SyntheticCNN:
     Raises:
         CamvizError: The weights file is missing or does not fit the network.
     """
-    from camviz.models import read_state_dict
+    from camviz.io.models import read_state_dict
 
     model = SyntheticCNN()
     if weights is not None:

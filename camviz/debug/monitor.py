@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from camviz.errors import CamvizError
-from camviz.hooks import tensors_in
-from camviz.layers import resolve_layers
-from camviz.modelstate import HookSet
+from camviz.core.errors import CamvizError
+from camviz.core.hooks import tensors_in
+from camviz.core.layers import resolve_layers
+from camviz.core.modelstate import HookSet
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from camviz.errors import CamvizError
+from camviz.core.errors import CamvizError
 
 #: File extensions taken as videos; everything else is read as an image.
 VIDEO_SUFFIXES = frozenset({".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg"})
@@ -167,7 +167,7 @@ def _walk(folder: Path, skipped: Path | None) -> Iterator[Path]:
 def _file(path: str, every: int, stem: str) -> _File:
     if Path(path).suffix.lower() not in VIDEO_SUFFIXES:
         return _File(path, stem)
-    from camviz.video import frame_count
+    from camviz.io.video import frame_count
 
     try:
         count = frame_count(path)

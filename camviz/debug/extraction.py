@@ -3,7 +3,7 @@
 ``camviz.features(model, x, ["layer1", "layer4"])`` returns what those layers emitted in one
 forward pass. Unlike torchvision's ``create_feature_extractor``, which traces the model with
 ``torch.fx`` and fails on data-dependent control flow (``if x.sum() > 0:``), this only attaches
-forward hooks (:func:`camviz.hooks.capture`) and runs the model as it is.
+forward hooks (:func:`camviz.core.hooks.capture`) and runs the model as it is.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from camviz.errors import CamvizError
-from camviz.hooks import capture
-from camviz.modelstate import eval_mode
+from camviz.core.errors import CamvizError
+from camviz.core.hooks import capture
+from camviz.core.modelstate import eval_mode
 
 
 class Features(dict):

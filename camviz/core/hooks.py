@@ -36,9 +36,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from camviz.errors import CamvizError
-from camviz.layers import resolve_layers
-from camviz.modelstate import HookSet
+from camviz.core.errors import CamvizError
+from camviz.core.layers import resolve_layers
+from camviz.core.modelstate import HookSet
 
 Keep = Literal["last", "all"]
 Backward = Literal["tensor", "full"]

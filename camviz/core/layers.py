@@ -2,7 +2,7 @@
 
 Names are those of ``model.named_modules()`` (``"layer4"``, ``"layer4.1.bn2"``,
 ``"features.8"``). Patterns use shell wildcards (``"layer*.0.conv1"``). An unknown name is a
-:class:`~camviz.errors.CamvizError` that lists the closest real names.
+:class:`~camviz.core.errors.CamvizError` that lists the closest real names.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from camviz.errors import CamvizError
-from camviz.modelstate import HookSet, eval_mode
+from camviz.core.errors import CamvizError
+from camviz.core.modelstate import HookSet, eval_mode
 
 _WILDCARDS = frozenset("*?[")
 

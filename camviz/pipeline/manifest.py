@@ -22,8 +22,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from camviz.inputs import item_key
-from camviz.render import atomic_write
+from camviz.pipeline.inputs import item_key
+from camviz.io.render import atomic_write
 
 #: The merged row log, one JSON object per line.
 ROWS = "manifest.jsonl"
@@ -39,7 +39,7 @@ Row = dict[str, Any]
 
 
 def row_key(row: Row) -> str:
-    """The key of the input a row describes (see :func:`camviz.inputs.item_key`)."""
+    """The key of the input a row describes (see :func:`camviz.pipeline.inputs.item_key`)."""
     return item_key(row["input"], row.get("frame"))
 
 

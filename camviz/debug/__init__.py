@@ -1,0 +1,1 @@
+"""What people use hooks for day to day: features, layer statistics, gradients, edits."""

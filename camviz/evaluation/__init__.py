@@ -1,0 +1,1 @@
+"""Is the map right: faithfulness metrics, pointing games, sanity checks, reports, a benchmark."""

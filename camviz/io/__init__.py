@@ -1,0 +1,1 @@
+"""Images, video frames and models in; colour maps, overlays, grids and figures out."""

@@ -1,0 +1,1 @@
+"""Many images: inputs, batches, background writes, manifests, resume and torchrun."""
