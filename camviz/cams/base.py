@@ -60,12 +60,16 @@ class CamMethod:
         paper: Title, authors and year of the paper that defines it.
         needs: What it needs from the engine, for the docs table (``"gradients"``).
         uses_gradients: Whether the engine must compute ``dy/dA``.
+        reduced_precision: Whether the model's passes may run under ``precision="bf16"``
+            or ``"fp16"`` autocast; a method whose weights are small differences of
+            scores sets it to ``False`` and always scores in float32.
     """
 
     name: ClassVar[str]
     paper: ClassVar[str]
     needs: ClassVar[str] = "gradients"
     uses_gradients: ClassVar[bool] = True
+    reduced_precision: ClassVar[bool] = True
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
         """The raw ``(N, h, w)`` map, before ReLU and normalisation."""

@@ -42,6 +42,7 @@ from camviz.core.hooks import detach_to, edit
 from camviz.core.layers import default_target_layer, resolve_layers
 from camviz.core.maps import normalize, upsample
 from camviz.core.modelstate import eval_mode
+from camviz.core.precision import Precision, at_least_fp32, check_precision, forward_precision
 from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 
 Fuse = Literal["mean", "max"]
@@ -174,7 +175,7 @@ def _layer_pass(
         for rank, score_fn in enumerate(fns):
             score = score_fn(output)
             _check_scores(score, inputs.shape[0])
-            scores.append(score.detach())
+            scores.append(at_least_fp32(score.detach()))
             if not gradients:
                 continue
             if not score.requires_grad:
@@ -187,10 +188,12 @@ def _layer_pass(
                 score.sum(), deltas, retain_graph=rank < len(fns) - 1, allow_unused=True
             )
             for name, delta, grad in zip(layers, deltas, grads, strict=True):
-                per_rank[name].append(torch.zeros_like(delta) if grad is None else grad)
+                per_rank[name].append(
+                    at_least_fp32(torch.zeros_like(delta) if grad is None else grad)
+                )
     return LayerPass(
-        output=detach_to(output, None),
-        activations={name: tap.activation for name, tap in taps.items()},
+        output=at_least_fp32(detach_to(output, None)),
+        activations={name: at_least_fp32(tap.activation) for name, tap in taps.items()},
         gradients=per_rank,
         scores=torch.stack(scores, dim=1),
         score_fns=fns,
@@ -208,6 +211,8 @@ def explain(
     output_key: str | int | None = None,
     fuse: Fuse = "mean",
     aug_smooth: bool | Sequence[float] = False,
+    precision: Precision = "fp32",
+    channels_last: bool = False,
     **options: Any,
 ) -> Explanation:
     """Explain a batch with a CAM method.
@@ -236,6 +241,13 @@ def explain(
             scales chooses them (``(1.0,)``: flips only, for models with a fixed input size
             such as ViTs); the plain pass always counts once. The explained classes are
             those of the plain pass.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the model's forward passes (and
+            the perturbed passes of Score-CAM and SS-CAM) run under
+            ``torch.autocast`` to that dtype; maps, weights and normalisation stay in
+            float32 (float64 for a float64 model). Refused on hardware that only emulates
+            it (see :mod:`camviz.core.precision`). Ablation-CAM always scores in float32.
+        channels_last: Hand the model a channels-last copy of its input (its convolutions
+            then compute channels-last). The model and ``inputs`` are not modified.
         **options: Passed to the method's constructor (e.g. ``batch_size``).
 
     Returns:
@@ -249,7 +261,8 @@ def explain(
         raise CamvizError(f"fuse must be 'mean' or 'max', not {fuse!r}")
     scales = _aug_scales(aug_smooth, target)
     inputs = _as_batch(inputs, model)
-    with eval_mode(model):
+    dtype = check_precision(precision, inputs.device, used=cam.reduced_precision)
+    with eval_mode(model), forward_precision(model, dtype, channels_last, inputs.device):
         layers = _target_layers(model, inputs, layer)
         recorded = layer_pass(
             model, inputs, layers, target, gradients=cam.uses_gradients, output_key=output_key

@@ -82,7 +82,9 @@ class ScoreCAM(PerturbationMethod):
         for pairs in (~constant).nonzero().split(self.rows_per_pass(data.inputs)):
             samples, channels = pairs.unbind(dim=1)
             masked = data.inputs[samples] * self.masks(data, samples, channels).unsqueeze(1)
-            scores[:, samples, channels] = rank_scores(data.model(masked), ranks, samples)
+            # .to: a model run under bf16 / fp16 autocast scores in that dtype
+            scored = rank_scores(data.model(masked), ranks, samples)
+            scores[:, samples, channels] = scored.to(scores.dtype)
         if constant.any():
             blank = data.model(torch.zeros_like(data.inputs[:1]))
             batch = torch.arange(constant.shape[0], device=constant.device)

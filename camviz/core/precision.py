@@ -1,0 +1,150 @@
+"""Reduced precision and channels-last memory format for the model's forward passes only.
+
+``explain(..., precision="bf16", channels_last=True)`` runs every call of the model (the
+plain pass and the perturbed passes of Score-CAM, SS-CAM and Ablation-CAM) under
+``torch.autocast`` and hands it a channels-last copy of its input, through a forward
+pre-hook and a forward hook on the model itself. The maps, the channel weights and the
+normalisation run outside those calls, so they stay in float32: the engine up-casts what
+the passes recorded (:func:`at_least_fp32`). Autocast leaves float64 tensors alone, so a
+float64 model or input keeps float64 throughout.
+
+Nothing of the model is converted: its parameters keep their dtype and memory format
+(a convolution that receives a channels-last input computes channels-last on its own), and
+the caller's input tensor is never modified, so both come back exactly as they came.
+
+Reduced precision is only offered where the hardware computes it natively: on a CPU
+without AVX-512 BF16 / AMX (or fp16 support), PyTorch emulates it, and a ResNet-18 forward
+pass runs 5 to 30 times *slower* than in float32. Such a request is refused with one line
+(:func:`check_precision`) rather than run silently slowly; setting the environment variable
+``CAMVIZ_EMULATED_PRECISION=1`` runs it anyway, with a warning (to measure its accuracy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from camviz.core.errors import CamvizError
+from camviz.core.modelstate import HookSet
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+#: The dtype of each precision's autocast (``None``: no autocast).
+DTYPES: dict[str, torch.dtype | None] = {
+    "fp32": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+#: Set to ``1`` to run a precision the hardware only emulates (slowly), with a warning.
+EMULATED_VARIABLE = "CAMVIZ_EMULATED_PRECISION"
+
+
+def check_precision(
+    precision: str, device: torch.device, *, used: bool = True
+) -> torch.dtype | None:
+    """The autocast dtype of ``precision`` on ``device`` (``None`` for fp32), checked.
+
+    With ``used=False`` (a method that always scores in float32) only the name is checked
+    and the answer is ``None``.
+
+    Raises:
+        CamvizError: An unknown precision, or one that ``device`` does not compute natively
+            (unless ``CAMVIZ_EMULATED_PRECISION=1``, which warns instead).
+    """
+    if precision not in DTYPES:
+        raise CamvizError(f"precision must be one of fp32, bf16, fp16, not {precision!r}")
+    dtype = DTYPES[precision] if used else None
+    if dtype is None or native(device, dtype):
+        return dtype
+    message = (
+        f"{precision} is not computed natively on this {device.type.upper()} "
+        f"({_missing(device, dtype)}), so it would run slower than fp32"
+    )
+    if os.environ.get(EMULATED_VARIABLE) == "1":
+        warnings.warn(f"{message}; running it anyway ({EMULATED_VARIABLE}=1)", stacklevel=3)
+        return dtype
+    raise CamvizError(
+        f"{message}; use precision fp32 (channels-last still applies), or set "
+        f"{EMULATED_VARIABLE}=1 to run it anyway"
+    )
+
+
+def native(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``device`` computes ``dtype`` convolutions and matrix products natively."""
+    if device.type == "cuda":
+        return dtype == torch.float16 or torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "cpu":
+        mkldnn = torch.ops.mkldnn
+        if dtype == torch.bfloat16:
+            return bool(mkldnn._is_mkldnn_bf16_supported())
+        return bool(mkldnn._is_mkldnn_fp16_supported())
+    return True  # other accelerators: autocast itself says what it does not support
+
+
+def _missing(device: torch.device, dtype: torch.dtype) -> str:
+    if device.type == "cuda":
+        return "a GPU older than Ampere has no bf16 units"
+    if dtype == torch.bfloat16:
+        return "it needs AVX-512 BF16 or AMX"
+    return "it needs AVX-512 FP16 or AMX-FP16"
+
+
+@contextlib.contextmanager
+def forward_precision(
+    model: nn.Module, dtype: torch.dtype | None, channels_last: bool, device: torch.device
+) -> Iterator[None]:
+    """Run every call of ``model`` in the block under autocast to ``dtype`` (``None``: none),
+    with a channels-last copy of each 4-D input if ``channels_last``.
+
+    The hooks come off and any autocast a failed call left open is closed when the block
+    ends, errors included.
+    """
+    if dtype is None and not channels_last:
+        yield
+        return
+    open_contexts: list[torch.autocast] = []
+
+    def enter(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if dtype is not None:
+            context = torch.autocast(device.type, dtype=dtype)
+            context.__enter__()
+            open_contexts.append(context)
+        if channels_last:
+            args = tuple(
+                arg.contiguous(memory_format=torch.channels_last)
+                if isinstance(arg, torch.Tensor) and arg.dim() == 4
+                else arg
+                for arg in args
+            )
+        return args
+
+    def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if open_contexts:
+            open_contexts.pop().__exit__(None, None, None)
+
+    with HookSet() as hooks:
+        hooks.add(model.register_forward_pre_hook(enter))
+        hooks.add(model.register_forward_hook(leave))
+        try:
+            yield
+        finally:
+            while open_contexts:  # a forward pass that raised never reached `leave`
+                open_contexts.pop().__exit__(None, None, None)
+
+
+def at_least_fp32(value: Any) -> Any:
+    """``value`` with every bf16 / fp16 tensor in it (tuples, lists, dicts) as float32."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in (torch.bfloat16, torch.float16) else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(at_least_fp32(item) for item in value)
+    if isinstance(value, dict):
+        return {key: at_least_fp32(item) for key, item in value.items()}
+    return value
