@@ -63,6 +63,8 @@ class CamMethod:
         reduced_precision: Whether the model's passes may run under ``precision="bf16"``
             or ``"fp16"`` autocast; a method whose weights are small differences of
             scores sets it to ``False`` and always scores in float32.
+        pixel_level: Whether its maps are per-pixel saliency (input gradients), drawn
+            clipped at a high percentile (:data:`camviz.io.render.SALIENCY_PERCENTILE`).
     """
 
     name: ClassVar[str]
@@ -70,6 +72,7 @@ class CamMethod:
     needs: ClassVar[str] = "gradients"
     uses_gradients: ClassVar[bool] = True
     reduced_precision: ClassVar[bool] = True
+    pixel_level: ClassVar[bool] = False
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
         """The raw ``(N, h, w)`` map, before ReLU and normalisation."""

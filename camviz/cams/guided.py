@@ -191,6 +191,7 @@ class VanillaGradients(CamMethod):
         "Classification Models and Saliency Maps, ICLR workshop 2014"
     )
     needs = "input gradients"
+    pixel_level = True
     uses_gradients = False
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
@@ -223,6 +224,7 @@ class GuidedBackprop(CamMethod):
         "ICLR workshop 2015"
     )
     needs = "input gradients through guided ReLUs"
+    pixel_level = True
     uses_gradients = False
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
@@ -247,6 +249,7 @@ class GuidedGradCAM(CamMethod):
     name = "guided_gradcam"
     paper = GradCAM.paper
     needs = "gradients, and input gradients through guided ReLUs"
+    pixel_level = True
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
         cam = upsample(torch.relu(GradCAM().layer_map(data)), data.inputs.shape[-2:])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from camviz.cli.options import add_model_options
+from camviz.cli.options import add_model_options, add_precision_options
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -34,6 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--batch-size", type=int, default=16, help="perturbed images per forward pass"
     )
+    add_precision_options(parser)
     parser.set_defaults(run=run)
 
 
@@ -57,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         batch_size=args.batch_size,
         progress=lambda line: print(line, file=sys.stderr),
+        precision=args.precision,
+        channels_last=args.channels_last,
     )
     written = write_report(comparison, args.out)
     print("| method | deletion AUC | insertion AUC | average drop % | win rate % | ms / image |")

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from camviz.cli.options import add_model_options
+from camviz.cli.options import add_model_options, add_precision_options
 
 # Skipped inputs listed on stderr; the manifest has them all.
 _LISTED_FAILURES = 10
@@ -80,6 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="where the model runs (cpu, cuda, cuda:1); default: this process's GPU if any",
     )
+    add_precision_options(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
 
@@ -133,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers,
         every=args.every,
         progress=False if args.quiet else None,
+        precision=args.precision,
+        channels_last=args.channels_last,
     )
     if context.is_main:
         _report(manifest, args.out)

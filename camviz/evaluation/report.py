@@ -32,6 +32,7 @@ from PIL import Image
 from camviz.cams.engine import explain
 from camviz.cams.registry import get
 from camviz.core.errors import CamvizError
+from camviz.core.precision import Precision, check_precision
 from camviz.io.images import load_image
 from camviz.evaluation.metrics import confidence, deletion, insertion, win_rate
 from camviz.io.models import LoadedModel
@@ -137,6 +138,8 @@ def compare(
     batch_size: int = 16,
     thumbnail: int = 128,
     progress: Callable[[str], None] | None = None,
+    precision: Precision = "fp32",
+    channels_last: bool = False,
 ) -> Comparison:
     """Explain every image with every method and measure each map.
 
@@ -149,6 +152,8 @@ def compare(
         batch_size: Perturbed images per forward pass.
         thumbnail: Width of the thumbnails, in pixels (smaller images keep their own).
         progress: Called with one line after each image and method, e.g. to print it.
+        precision, channels_last: How the maps are computed (see :func:`camviz.explain`);
+            the metrics always run in float32.
 
     Returns:
         The :class:`Comparison`; write it with :func:`write_report`.
@@ -162,6 +167,8 @@ def compare(
     layer = layer if layer is not None else loaded.default_layer
     model = loaded.model
     device = next(model.parameters()).device
+    used = any(get(name).reduced_precision for name in names)
+    check_precision(precision, device, used=used)  # before any model work
     cells, thumbnails = [], []
     for path, image in zip(paths, images, strict=True):
         inputs = loaded.preprocess(image).unsqueeze(0).to(device)
@@ -171,7 +178,16 @@ def compare(
         heatmaps, seconds = [], []
         for name in names:
             started = time.perf_counter()
-            heatmaps.append(explain(model, inputs, name, layer, class_id).heatmaps[0])
+            explained = explain(
+                model,
+                inputs,
+                name,
+                layer,
+                class_id,
+                precision=precision,
+                channels_last=channels_last,
+            )
+            heatmaps.append(explained.heatmaps[0])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds.append(time.perf_counter() - started)

@@ -7,7 +7,14 @@ happens on the CPU.
 Overlays are drawn at the *original* image's size: the heatmap (computed at the model's
 input size) is stretched back onto the photo, not the photo squeezed to the model's size.
 
-Figures are built with :class:`matplotlib.figure.Figure` directly, never through
+Overlays and :func:`panel_image` are drawn with colour look-up tables
+(:mod:`camviz.io.colormaps`, the same colours as matplotlib's) and Pillow: no matplotlib,
+so a folder job draws them at the speed of numpy. Pixel-level maps (vanilla gradients,
+guided backprop) are customarily shown clipped at a high percentile (``clip=99``): a few
+pixels hold the maximum, and unclipped the overlay looks empty.
+
+Figures (:func:`panel`, :func:`channel_figure`, for notebooks) are built with
+:class:`matplotlib.figure.Figure` directly, never through
 ``pyplot``: pyplot keeps every figure in a global registry until it is closed, which leaks
 memory when a loop renders hundreds of panels, and it needs a GUI backend. A bare
 ``Figure`` is garbage-collected like any object and renders with Agg anywhere.
@@ -19,27 +26,29 @@ leaves a partial file behind.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import io
 import math
 import os
 import secrets
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Literal, TypeAlias
+from typing import IO, TYPE_CHECKING, Any, Literal, TypeAlias
 
-import matplotlib
 import numpy as np
 import torch
-from matplotlib.colors import Colormap
-from matplotlib.figure import Figure
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 from torchvision.utils import make_grid, save_image
 
 from camviz.core.errors import CamvizError
-from camviz.io.images import to_rgb
 from camviz.core.maps import normalize as normalize_maps
 from camviz.core.maps import upsample
+from camviz.io.colormaps import apply, lookup_table, matplotlib_colormap
+from camviz.io.images import to_rgb
+
+if TYPE_CHECKING:
+    from matplotlib.colors import Colormap
+    from matplotlib.figure import Figure
 
 Heatmap: TypeAlias = torch.Tensor | np.ndarray
 Order = Literal["first", "strongest"]
@@ -47,6 +56,15 @@ Scaling = Literal["channel", "shared"]
 
 # Values this far outside [0, 1] are float noise from resizing, not a wrong input.
 _TOLERANCE = 1e-4
+
+#: The percentile at which pixel-level saliency maps are clipped for display.
+SALIENCY_PERCENTILE = 99.0
+
+# panel_image: width of each of its three pictures, gap between them, text sizes (pixels).
+PANEL_TILE_WIDTH = 400
+_PANEL_GAP = 10
+_TITLE_SIZE = 18
+_CAPTION_SIZE = 14
 
 
 def colorize(heatmap: Heatmap, colormap: str | Colormap = "jet") -> np.ndarray:
@@ -68,7 +86,11 @@ def colorize(heatmap: Heatmap, colormap: str | Colormap = "jet") -> np.ndarray:
 
 
 def heatmap_image(
-    heatmap: Heatmap, colormap: str | Colormap = "jet", size: tuple[int, int] | None = None
+    heatmap: Heatmap,
+    colormap: str | Colormap = "jet",
+    size: tuple[int, int] | None = None,
+    *,
+    clip: float | None = None,
 ) -> Image.Image:
     """The coloured heatmap on its own, as an RGB image.
 
@@ -77,8 +99,11 @@ def heatmap_image(
         colormap: A matplotlib colour map name or ``Colormap``.
         size: ``(width, height)`` to resize the map to first (bilinear), in Pillow's order
             so that ``size=image.size`` matches an image; ``None`` keeps the map's size.
+        clip: Draw values above this percentile of the map (0-100) as the top colour
+            (:data:`SALIENCY_PERCENTILE` for pixel-level maps); ``None`` draws them as
+            they are.
     """
-    values = _as_map(heatmap)
+    values = clipped(_as_map(heatmap), clip)
     if size is not None:
         values = _resized(values, size)
     return Image.fromarray(_colour(values, colormap))
@@ -89,6 +114,8 @@ def overlay(
     heatmap: Heatmap,
     alpha: float = 0.5,
     colormap: str | Colormap = "jet",
+    *,
+    clip: float | None = None,
 ) -> Image.Image:
     """Blend a coloured heatmap onto an image, at the image's own size.
 
@@ -101,12 +128,91 @@ def overlay(
         heatmap: ``(H, W)`` values in ``[0, 1]``, of any size.
         alpha: Weight of the heatmap, from 0 (image only) to 1 (heatmap only).
         colormap: A matplotlib colour map name or ``Colormap``.
+        clip: Percentile at which to clip the map first; see :func:`heatmap_image`.
 
     Returns:
         An RGB image of ``image.size``.
     """
     rgb = _as_rgb(image)
-    return Image.fromarray(_blend(rgb, _resized(_as_map(heatmap), rgb.size), alpha, colormap))
+    values = _resized(clipped(_as_map(heatmap), clip), rgb.size)
+    return Image.fromarray(_blend(rgb, values, alpha, colormap))
+
+
+def panel_image(
+    image: Image.Image,
+    heatmap: Heatmap,
+    *,
+    title: str = "",
+    alpha: float = 0.5,
+    colormap: str | Colormap = "jet",
+    clip: float | None = None,
+    width: int = PANEL_TILE_WIDTH,
+) -> Image.Image:
+    """Image, heatmap and overlay side by side under ``title``, drawn with Pillow.
+
+    The picture :func:`panel` draws with matplotlib, about 50 times faster: each of the
+    three is ``width`` pixels wide (the photo's aspect kept), captioned, on white, the
+    title above in Pillow's default font. ``camviz explain`` writes these.
+
+    Args:
+        image: The original image.
+        heatmap: ``(H, W)`` values in ``[0, 1]``, of any size.
+        title: The title, e.g. ``"tabby, tabby cat: p=0.62 (gradcam, layer bn2)"``.
+        alpha: Weight of the heatmap in the overlay.
+        colormap: A matplotlib colour map name or ``Colormap``.
+        clip: Percentile at which to clip the map first; see :func:`heatmap_image`.
+        width: Width of each of the three pictures, in pixels.
+    """
+    rgb = _as_rgb(image)
+    size = (width, max(1, round(rgb.height * width / rgb.width)))
+    if rgb.size != size:
+        rgb = rgb.resize(size, Image.Resampling.BILINEAR, reducing_gap=2.0)
+    values = _resized(clipped(_as_map(heatmap), clip), size)
+    table = lookup_table(colormap)
+    tiles = {
+        "image": rgb,
+        "heatmap": Image.fromarray(apply(values, table).numpy()),
+        "overlay": Image.fromarray(_blend(rgb, values, alpha, table)),
+    }
+    top = _PANEL_GAP + (_TITLE_SIZE + _PANEL_GAP if title else 0)
+    picture_top = top + _CAPTION_SIZE + _PANEL_GAP // 2
+    canvas = Image.new(
+        "RGB", (3 * width + 4 * _PANEL_GAP, picture_top + size[1] + _PANEL_GAP), "white"
+    )
+    draw = ImageDraw.Draw(canvas)
+    if title:
+        font = ImageFont.load_default(_TITLE_SIZE)
+        draw.text((canvas.width / 2, _PANEL_GAP), title, fill="black", font=font, anchor="ma")
+    font = ImageFont.load_default(_CAPTION_SIZE)
+    for number, (caption, tile) in enumerate(tiles.items()):
+        left = _PANEL_GAP + number * (width + _PANEL_GAP)
+        draw.text((left + width / 2, top), caption, fill="black", font=font, anchor="ma")
+        canvas.paste(tile, (left, picture_top))
+    return canvas
+
+
+def clipped(values: torch.Tensor, percentile: float | None) -> torch.Tensor:
+    """``values / q`` clipped to ``[0, 1]``, ``q`` being the ``percentile``-th percentile of
+    the values (the smallest value with at least that share of the values at or below it;
+    the smallest positive value if that is 0); the values as they are for ``None`` or an
+    all-zero map.
+
+    Raises:
+        CamvizError: A percentile outside ``(0, 100]``.
+    """
+    if percentile is None:
+        return values
+    if not 0 < percentile <= 100:
+        raise CamvizError(f"clip must be a percentile in (0, 100], got {percentile}")
+    positive = values[values > 0]
+    if positive.numel() == 0:
+        return values
+    # Over the whole map: the zeros count, as they do in the customary np.percentile(map, 99).
+    flat = values.flatten().float()
+    level = flat.kthvalue(max(1, math.ceil(percentile / 100 * flat.numel()))).values.item()
+    if level <= 0:
+        level = positive.min().item()
+    return (values / level).clamp(0, 1)
 
 
 def check_render_options(alpha: float, colormap: str | Colormap) -> None:
@@ -116,7 +222,7 @@ def check_render_options(alpha: float, colormap: str | Colormap) -> None:
         CamvizError: ``alpha`` is outside ``[0, 1]`` or the colour map is unknown.
     """
     _check_alpha(alpha)
-    _colormap(colormap)
+    lookup_table(colormap)
 
 
 def select_channels(
@@ -224,12 +330,14 @@ def channel_figure(
     Arguments are those of :func:`channel_grid`; ``channels`` defaults to 16 because every
     channel is its own matplotlib axes, and thousands of them take long to draw.
     """
+    from matplotlib.figure import Figure
+
     indices, maps = select_channels(activations, channels, order, normalize)
     columns = _columns(len(indices), ncols)
     rows = math.ceil(len(indices) / columns)
     figure = Figure(figsize=(1.5 * columns, 1.5 * rows + 0.5), layout="constrained")
     axes = figure.subplots(rows, columns, squeeze=False).ravel()
-    cmap = _colormap("gray" if colormap is None else colormap)
+    cmap = matplotlib_colormap("gray" if colormap is None else colormap)
     for ax, index, channel in zip(axes, indices, maps, strict=False):
         ax.imshow(channel.numpy(), cmap=cmap, vmin=0, vmax=1)
         ax.set_title(str(index), fontsize=8)
@@ -247,7 +355,9 @@ def panel(
     alpha: float = 0.5,
     colormap: str | Colormap = "jet",
 ) -> Figure:
-    """Image, heatmap and overlay side by side, all at the image's size, under ``title``.
+    """Image, heatmap and overlay side by side, all at the image's size, under ``title``:
+    a matplotlib ``Figure``, for notebooks and PDF/SVG; :func:`panel_image` draws the same
+    picture with Pillow, much faster.
 
     Args:
         image: The original image.
@@ -256,6 +366,8 @@ def panel(
         alpha: Weight of the heatmap in the overlay.
         colormap: A matplotlib colour map name or ``Colormap``.
     """
+    from matplotlib.figure import Figure
+
     rgb = _as_rgb(image)
     values = _resized(_as_map(heatmap), rgb.size)
     blended = _blend(rgb, values, alpha, colormap)
@@ -263,7 +375,7 @@ def panel(
     figure = Figure(figsize=(12, 4 * height / width + 0.6), layout="constrained")
     axes = figure.subplots(1, 3)
     axes[0].imshow(rgb)
-    axes[1].imshow(values.numpy(), cmap=_colormap(colormap), vmin=0, vmax=1)
+    axes[1].imshow(values.numpy(), cmap=matplotlib_colormap(colormap), vmin=0, vmax=1)
     axes[2].imshow(blended)
     for ax, name in zip(axes, ("image", "heatmap", "overlay"), strict=True):
         ax.set_title(name, fontsize=9)
@@ -298,7 +410,7 @@ def show(
             return obj
         obj = panel(obj, heatmap, title=title, alpha=alpha, colormap=colormap)
     buffer = io.BytesIO()
-    if isinstance(obj, Figure):
+    if _is_figure(obj):
         obj.savefig(buffer, format="png", dpi=dpi)
     elif isinstance(obj, torch.Tensor):
         save_image(obj.detach().cpu(), buffer, format="png")
@@ -329,7 +441,7 @@ def save(obj: Image.Image | Figure | torch.Tensor, path: str | os.PathLike[str])
             is a folder.
     """
     path = Path(path)
-    if isinstance(obj, Figure):
+    if _is_figure(obj):
         supported = obj.canvas.get_supported_filetypes()
         figure_format = path.suffix.lower().lstrip(".")
         if figure_format not in supported:
@@ -474,13 +586,22 @@ def _resized(values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return upsample(values.unsqueeze(0), (height, width))[0].clamp(0, 1)
 
 
+def blend(
+    pixels: torch.Tensor, values: torch.Tensor, alpha: float, table: torch.Tensor
+) -> torch.Tensor:
+    """``(H, W, 3)`` uint8 pixels blended with the colours of ``(H, W)`` values in ``[0, 1]``,
+    ``round((1 - alpha) * pixel + alpha * colour)``, on the tensors' device (a GPU too)."""
+    colours = apply(values, table).float()
+    blended = pixels.float().mul_(1 - alpha).add_(colours, alpha=alpha)
+    return blended.round_().to(torch.uint8)
+
+
 def _blend(
-    rgb: Image.Image, values: torch.Tensor, alpha: float, colormap: str | Colormap
+    rgb: Image.Image, values: torch.Tensor, alpha: float, colormap: str | Colormap | torch.Tensor
 ) -> np.ndarray:
     _check_alpha(alpha)
-    colours = _colour(values, colormap).astype(np.float32)
-    pixels = np.asarray(rgb, dtype=np.float32)
-    return np.rint((1 - alpha) * pixels + alpha * colours).astype(np.uint8)
+    table = colormap if isinstance(colormap, torch.Tensor) else lookup_table(colormap)
+    return blend(torch.from_numpy(np.array(rgb)), values, alpha, table).numpy()
 
 
 def _check_alpha(alpha: float) -> None:
@@ -490,21 +611,13 @@ def _check_alpha(alpha: float) -> None:
 
 def _colour(values: torch.Tensor, colormap: str | Colormap) -> np.ndarray:
     """``(...)`` values in ``[0, 1]`` to ``(..., 3)`` uint8 colours."""
-    return _colormap(colormap)(values.numpy(), bytes=True)[..., :3]
+    return apply(values, lookup_table(colormap)).numpy()
 
 
-def _colormap(colormap: str | Colormap) -> Colormap:
-    if isinstance(colormap, Colormap):
-        return colormap
-    try:
-        return matplotlib.colormaps[colormap]
-    except KeyError:
-        close = difflib.get_close_matches(str(colormap), list(matplotlib.colormaps), n=3)
-        hint = f"did you mean {', '.join(close)}? " if close else ""
-        raise CamvizError(
-            f"unknown colour map {colormap!r}; {hint}any matplotlib name works, e.g. jet, "
-            "viridis, inferno, turbo, gray"
-        ) from None
+def _is_figure(obj: Any) -> bool:
+    """Whether ``obj`` is a matplotlib ``Figure`` (without importing matplotlib for it)."""
+    figure_module = sys.modules.get("matplotlib.figure")
+    return figure_module is not None and isinstance(obj, figure_module.Figure)
 
 
 def _columns(count: int, ncols: int | None) -> int:

@@ -148,6 +148,13 @@ class _Sample:
     reason: str | None = None
     seconds: float = 0.0
 
+    def pin_memory(self) -> _Sample:
+        """Page-locked inputs, so that the copy to a GPU does not block (the DataLoader's
+        pin thread calls this when the model is on CUDA)."""
+        if self.inputs is not None:
+            self.inputs = self.inputs.pin_memory()
+        return self
+
 
 class _Prepared(Dataset):
     """Wraps a dataset so that a worker returns a preprocessed :class:`_Sample`."""
@@ -279,6 +286,7 @@ def explain_dataset(
         sampler=order,
         num_workers=workers,
         collate_fn=list,
+        pin_memory=explainer.device.type == "cuda",
     )
     return _explained(loader, explainer, items, batch_size, len(order), progress)
 
@@ -372,6 +380,8 @@ class _BatchExplainer:
         self.layer = layer
         self.target = target
         self.options = options
+        parameter = next(network.parameters(), None)
+        self.device = torch.device("cpu") if parameter is None else parameter.device
 
     def __call__(self, samples: list[_Sample], items: list[Item] | None) -> list[ImageResult]:
         if not samples:
@@ -380,7 +390,9 @@ class _BatchExplainer:
         try:
             explanation = explain(
                 self.network,
-                torch.stack([sample.inputs for sample in samples]),
+                torch.stack(
+                    [sample.inputs.to(self.device, non_blocking=True) for sample in samples]
+                ),
                 self.method,
                 self.layer,
                 self.target,

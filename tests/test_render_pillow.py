@@ -1,0 +1,121 @@
+"""Overlays and panels drawn with colour look-up tables and Pillow: the same pixels as the
+matplotlib rendering, clipped saliency maps, and no matplotlib in the batch path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import matplotlib
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from camviz.core.maps import upsample
+from camviz.io import colormaps
+from camviz.io.render import PANEL_TILE_WIDTH, clipped, heatmap_image, overlay, panel_image
+
+
+@pytest.fixture
+def photo() -> Image.Image:
+    generator = np.random.default_rng(0)
+    return Image.fromarray(generator.integers(0, 256, (30, 40, 3), dtype=np.uint8))
+
+
+@pytest.fixture
+def heatmap() -> torch.Tensor:
+    torch.manual_seed(0)
+    values = torch.rand(7, 9)
+    return (values - values.min()) / (values.max() - values.min())
+
+
+def matplotlib_overlay(photo: Image.Image, heatmap: torch.Tensor, alpha: float, cmap) -> np.ndarray:
+    """The overlay as camviz drew it with matplotlib: colour the resized map, blend, round."""
+    resized = upsample(heatmap[None], (photo.height, photo.width))[0].clamp(0, 1).numpy()
+    colours = matplotlib.colormaps[cmap](resized, bytes=True)[..., :3].astype(np.float32)
+    pixels = np.asarray(photo, dtype=np.float32)
+    return np.rint((1 - alpha) * pixels + alpha * colours).astype(np.uint8)
+
+
+@pytest.mark.parametrize("cmap", ["jet", "viridis", "gray", "twilight"])  # twilight: 510 colours
+def test_overlay_matches_the_matplotlib_rendering(photo, heatmap, cmap):
+    drawn = np.asarray(overlay(photo, heatmap, alpha=0.4, colormap=cmap))
+    expected = matplotlib_overlay(photo, heatmap, 0.4, cmap)
+    assert np.abs(drawn.astype(int) - expected).max() <= 1
+    assert (drawn == expected).mean() > 0.999  # float rounding at most, on a few pixels
+
+
+def test_shipped_tables_are_matplotlib_colours():
+    for name in colormaps.SHIPPED_NAMES:
+        cmap = matplotlib.colormaps[name]
+        expected = cmap(np.arange(cmap.N), bytes=True)[:, :3]
+        np.testing.assert_array_equal(colormaps.lookup_table(name).numpy(), expected)
+    values = torch.tensor([0.0, 0.5, 1 / 256 - 1e-6, 1 / 256, 0.999, 1.0])
+    expected = matplotlib.colormaps["jet"](values.numpy(), bytes=True)[:, :3]
+    np.testing.assert_array_equal(colormaps.apply(values, colormaps.lookup_table("jet")), expected)
+
+
+def test_panel_image_holds_the_image_the_heatmap_and_the_overlay(heatmap):
+    generator = np.random.default_rng(1)
+    photo = Image.fromarray(generator.integers(0, 256, (300, 400, 3), dtype=np.uint8))
+    assert photo.width == PANEL_TILE_WIDTH  # so the tiles are the photo's own size
+    drawn = np.asarray(panel_image(photo, heatmap, title="tabby cat: p=0.62", alpha=0.5))
+    gap = 10
+    top = drawn.shape[0] - gap - photo.height
+    tiles = [
+        drawn[top : top + photo.height, gap + k * (400 + gap) : gap + k * (400 + gap) + 400]
+        for k in range(3)
+    ]
+    np.testing.assert_array_equal(tiles[0], np.asarray(photo))
+    resized = upsample(heatmap[None], (300, 400))[0].clamp(0, 1).numpy()
+    jet = matplotlib.colormaps["jet"](resized, bytes=True)[..., :3]
+    assert np.abs(tiles[1].astype(int) - jet).max() <= 1
+    expected = matplotlib_overlay(photo, heatmap, 0.5, "jet")
+    assert np.abs(tiles[2].astype(int) - expected).max() <= 1
+    # The title and the captions are drawn in black on white above the pictures.
+    assert (drawn[:top] < 100).all(axis=-1).sum() > 100
+    assert (drawn[:top] == 255).all(axis=-1).mean() > 0.8
+
+
+def test_panel_image_scales_large_photos_to_the_tile_width(heatmap):
+    photo = Image.new("RGB", (1600, 1200), "red")
+    drawn = panel_image(photo, heatmap)
+    assert drawn.width == 3 * PANEL_TILE_WIDTH + 4 * 10
+    assert drawn.getpixel((10, drawn.height - 11)) == (255, 0, 0)
+
+
+def test_clipping_at_a_percentile_saturates_the_top_values():
+    values = torch.arange(100, dtype=torch.float32).view(10, 10) / 99
+    # The 99th percentile of 100 values: the 99th smallest, 98 / 99.
+    torch.testing.assert_close(clipped(values, 99), (values / (98 / 99)).clamp(0, 1))
+    assert torch.equal(clipped(values, None), values)
+    # Nearly all zeros: the smallest positive value is the level, not 0.
+    sparse = torch.zeros(20, 20)
+    sparse[0, :3] = torch.tensor([0.2, 0.5, 1.0])
+    torch.testing.assert_close(clipped(sparse, 99), (sparse / 0.2).clamp(0, 1))
+    assert torch.equal(clipped(torch.zeros(4, 4), 99), torch.zeros(4, 4))
+
+
+def test_clipped_saliency_overlay_is_not_empty(photo):
+    """A saliency map whose maximum sits on one pixel: unclipped, the overlay is nearly the
+    colour of 0 everywhere; clipped at the 99th percentile, the evidence shows."""
+    torch.manual_seed(0)
+    saliency = torch.rand(30, 40) * 0.05
+    saliency[3, 4] = 1.0
+    plain = np.asarray(heatmap_image(saliency, "gray"))
+    shown = np.asarray(heatmap_image(saliency, "gray", clip=99))
+    assert plain.mean() < 10 and shown.mean() > 100
+
+
+def test_the_batch_path_does_not_import_matplotlib():
+    code = (
+        "import sys, torch; from PIL import Image\n"
+        "import camviz.pipeline.job\n"
+        "from camviz.io.render import overlay, panel_image\n"
+        "image = Image.new('RGB', (8, 6)); heatmap = torch.rand(3, 4)\n"
+        "overlay(image, heatmap, colormap='turbo'); panel_image(image, heatmap, title='t')\n"
+        "assert 'matplotlib' not in sys.modules, 'matplotlib was imported'\n"
+    )
+    finished = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr
