@@ -1,9 +1,17 @@
-"""How close each method's bf16 map is to its fp32 map: the README's accuracy table.
+"""bf16 against fp32: how close each method's map is, and how much faster (the README's tables).
 
 Run by hand (never in the tests)::
 
     python benchmarks/bench_precision.py --threads 1
     python benchmarks/bench_precision.py --quick      # small inputs: a smoke run
+    python benchmarks/bench_precision.py --speed --threads 1   # the speed table instead
+
+``--speed`` times, side by side in one run (median of ``--repeat`` runs): Grad-CAM of a
+random-weight ResNet-50 (``layer4``, batch 8, 224 px) and Score-CAM of a random-weight
+ResNet-18 (``layer4``, one image) in fp32, fp32 with channels-last, and bf16 with
+channels-last (only where the CPU computes bf16 natively: emulated, it is refused), against
+torchcam's Score-CAM (the fastest peer's) in fp32, with the correlation of each map to
+camviz's fp32 map.
 
 For every registered method, on the shipped EfficientNet-Lite0 (the cat photo, layer
 ``bn2``) and on a random-weight ResNet-50 (``layer4``, random inputs), the map is computed
@@ -19,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -56,14 +66,108 @@ def correlation(first: torch.Tensor, second: torch.Tensor) -> float:
     return float(torch.corrcoef(torch.stack([first.flatten(), second.flatten()]))[0, 1])
 
 
+def timed(run: Callable[[], torch.Tensor], repeat: int) -> tuple[float, torch.Tensor]:
+    """``(median seconds of repeat runs, the maps)``, after a first run that warms up."""
+    maps = run()
+    seconds = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds), maps
+
+
+def speed_rows(
+    name: str,
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    method: str,
+    variants: dict[str, tuple[str, bool]],
+    repeat: int,
+) -> list[str]:
+    """One table row per variant (and torchcam's Score-CAM), timed side by side."""
+    import torchcam.methods
+
+    import camviz
+
+    with torch.inference_mode():
+        classes = model(inputs).argmax(1).tolist()
+
+    def ours(precision: str, channels_last: bool) -> torch.Tensor:
+        return camviz.explain(
+            model,
+            inputs,
+            method,
+            "layer4",
+            classes,
+            precision=precision,
+            channels_last=channels_last,
+        ).layer_maps
+
+    def torchcam_scorecam() -> torch.Tensor:
+        shape = tuple(inputs.shape[1:])
+        with torchcam.methods.ScoreCAM(model, "layer4", input_shape=shape) as extractor:
+            (maps,) = extractor(classes, model(inputs))
+        return maps.detach()
+
+    results = {
+        f"camviz {variant}": timed(lambda options=options: ours(*options), repeat)
+        for variant, options in variants.items()
+    }
+    if method == "scorecam":
+        results["torchcam fp32"] = timed(torchcam_scorecam, repeat)
+    reference_seconds, reference = results["camviz fp32"]
+    return [
+        f"| {name} | {variant} | {seconds:.2f} s | {reference_seconds / seconds:.2f}x "
+        f"| {correlation(reference, maps):.4f} |"
+        for variant, (seconds, maps) in results.items()
+    ]
+
+
+def speed(repeat: int) -> None:
+    import torchvision
+
+    from camviz.core.precision import native
+
+    torch.manual_seed(0)
+    setups = {
+        "Grad-CAM, ResNet-50, batch 8": (
+            torchvision.models.resnet50(weights=None).eval(),
+            torch.randn(8, 3, 224, 224),
+            "gradcam",
+        ),
+        "Score-CAM, ResNet-18, 1 image": (
+            torchvision.models.resnet18(weights=None).eval(),
+            torch.randn(1, 3, 224, 224),
+            "scorecam",
+        ),
+    }
+    variants = {"fp32": ("fp32", False), "fp32 + channels-last": ("fp32", True)}
+    if native(torch.device("cpu"), torch.bfloat16):
+        variants["bf16 + channels-last"] = ("bf16", True)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| what | variant | time | speed vs camviz fp32 | correlation with camviz fp32 |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, (model, inputs, method) in setups.items():
+        for row in speed_rows(name, model, inputs, method, variants, repeat):
+            print(row, flush=True)
+    if "bf16 + channels-last" not in variants:
+        print("\nbf16 left out: this CPU does not compute it natively (no AVX-512 BF16 / AMX).")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, help="torch threads; 1 on a busy machine")
     parser.add_argument("--quick", action="store_true", help="small inputs")
     parser.add_argument("--methods", nargs="*", help="only these registry names")
+    parser.add_argument("--speed", action="store_true", help="the speed table instead")
+    parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.speed:
+        speed(args.repeat)
+        return
     os.environ["CAMVIZ_EMULATED_PRECISION"] = "1"
     warnings.simplefilter("ignore", UserWarning)
     import camviz.cams

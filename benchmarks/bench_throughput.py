@@ -14,7 +14,11 @@ apply the model's preprocessing) and the same batch size:
 * ``explain_dataset``: :func:`camviz.explain_dataset` (Grad-CAM maps, held in memory);
 * ``explain, overlays``: :func:`camviz.pipeline.job.explain_files` writing the overlays and the
   manifest (``camviz explain --no-panel``);
-* ``explain, overlays + panels``: also the matplotlib panels (the CLI's default).
+* ``explain, overlays + panels``: also the panels (the CLI's default: Pillow, JPEG).
+
+``--precision bf16`` and ``--channels-last`` apply to the camviz variants only: plain
+inference stays fp32, the reference of the targets. bf16 is refused on a CPU that only
+emulates it.
 
 Each variant runs once to warm up, then the variants take turns for ``--repeat`` rounds;
 each one's fastest pass counts (the least disturbed by other work on the machine).
@@ -100,7 +104,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=min(4, max(0, (os.cpu_count() or 1) - 1)))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="16 images, batch 8, one pass")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--threads", type=int, help="torch threads; 1 on a busy machine")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    precision = {"precision": args.precision, "channels_last": args.channels_last}
     if args.quick:
         args.images, args.batch, args.repeat = 16, 8, 1
     loaded = camviz.io.models.load()
@@ -125,7 +135,12 @@ def main() -> None:
 
         def maps() -> int:
             results = explain_dataset(
-                loaded, paths, batch_size=args.batch, workers=args.workers, keep_images=False
+                loaded,
+                paths,
+                batch_size=args.batch,
+                workers=args.workers,
+                keep_images=False,
+                **precision,
             )
             return sum(result.ok for result in results)
 
@@ -133,7 +148,13 @@ def main() -> None:
             def run() -> int:
                 shutil.rmtree(out, ignore_errors=True)
                 manifest = explain_files(
-                    paths, out, loaded, outputs=outputs, batch_size=args.batch, workers=args.workers
+                    paths,
+                    out,
+                    loaded,
+                    outputs=outputs,
+                    batch_size=args.batch,
+                    workers=args.workers,
+                    **precision,
                 )
                 return manifest["counts"]["ok"]
 
@@ -152,7 +173,8 @@ def main() -> None:
     print(
         f"{loaded.name}, {args.images} images of 400x300 (224x299 after preprocessing), "
         f"batch {args.batch}, {args.workers} DataLoader workers, {torch.get_num_threads()} "
-        f"torch threads, {os.cpu_count()} CPUs, torch {torch.__version__}\n"
+        f"torch threads, {os.cpu_count()} CPUs, torch {torch.__version__}, camviz in "
+        f"{args.precision}{' + channels-last' if args.channels_last else ''}\n"
     )
     print("| variant | images/s | vs inference |")
     print("| --- | --- | --- |")
