@@ -33,7 +33,7 @@ import secrets
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import IO, TYPE_CHECKING, Any, Literal, TypeAlias, TypeGuard
 
 import numpy as np
 import torch
@@ -614,7 +614,7 @@ def _colour(values: torch.Tensor, colormap: str | Colormap) -> np.ndarray:
     return apply(values, lookup_table(colormap)).numpy()
 
 
-def _is_figure(obj: Any) -> bool:
+def _is_figure(obj: Any) -> TypeGuard[Figure]:
     """Whether ``obj`` is a matplotlib ``Figure`` (without importing matplotlib for it)."""
     figure_module = sys.modules.get("matplotlib.figure")
     return figure_module is not None and isinstance(obj, figure_module.Figure)
