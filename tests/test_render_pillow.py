@@ -119,3 +119,37 @@ def test_the_batch_path_does_not_import_matplotlib():
     )
     finished = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert finished.returncode == 0, finished.stderr
+
+
+def test_folder_job_draws_pixel_level_maps_clipped_and_panels_as_jpeg(tmp_path, photo):
+    from torch import nn
+
+    from camviz.io.images import Preprocess
+    from camviz.io.models import LoadedModel
+    from camviz.pipeline.job import Outputs, explain_files
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    ).eval()
+    loaded = LoadedModel(model, Preprocess(size=16), ["a", "b", "c"], "tiny")
+    photo.save(tmp_path / "photo.png")
+    outputs = Outputs(overlay=True, panel=True, heatmap="npz")
+    explain_files(
+        tmp_path / "photo.png",
+        tmp_path / "out",
+        loaded,
+        method="vanilla_gradients",
+        outputs=outputs,
+    )
+    heatmap = torch.from_numpy(np.load(tmp_path / "out" / "photo_heatmap.npz")["heatmap"])
+    with Image.open(tmp_path / "out" / "photo_overlay.png") as written:
+        drawn = np.asarray(written)
+    np.testing.assert_array_equal(drawn, np.asarray(overlay(photo, heatmap, clip=99)))
+    assert not np.array_equal(drawn, np.asarray(overlay(photo, heatmap)))
+    with Image.open(tmp_path / "out" / "photo_panel.jpg") as panel:
+        assert panel.format == "JPEG" and panel.width == 3 * PANEL_TILE_WIDTH + 4 * 10
