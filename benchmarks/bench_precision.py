@@ -20,7 +20,9 @@ Pearson correlation of the two ``heatmaps`` is printed (1.0: the same map up to 
 
 On a CPU without native bf16 the bf16 passes are emulated (``CAMVIZ_EMULATED_PRECISION=1``
 is set here): the numbers are bf16's, the times are not. Score-CAM and SS-CAM run one
-forward pass per channel, so they are measured on smaller inputs (``PERTURBATION_SIZE``).
+emulated forward pass per channel, so they are measured on smaller inputs
+(``PERTURBATION_SIZE``) at earlier layers with fewer channels (``PERTURBATION_LAYERS``):
+what bf16 changes there, the scores of the masked inputs, is the same at every layer.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 # Score-CAM and SS-CAM: one pass per channel (2,048 at ResNet-50's layer4), emulated bf16.
 PERTURBATION_SIZE = 64
+PERTURBATION_LAYERS = {"EfficientNet-Lite0 (cat)": "blocks.3", "ResNet-50 (random)": "layer1"}
 OPTIONS = {"sscam": {"num_samples": 2, "std": 0.5, "seed": 0}, "smooth_gradcam++": {"samples": 4}}
 
 
@@ -179,8 +182,9 @@ def main() -> None:
     print("| --- |" + " --- |" * len(setups))
     for method in methods:
         cells = []
-        for _, model, layer, inputs in setups:
+        for setup, model, layer, inputs in setups:
             if method in ("scorecam", "sscam"):
+                layer = PERTURBATION_LAYERS[setup]
                 height, width = inputs.shape[-2:]
                 scale = PERTURBATION_SIZE / min(height, width)
                 size = (round(height * scale), round(width * scale))
@@ -204,7 +208,7 @@ def main() -> None:
             size = "x".join(str(side) for side in inputs.shape[-2:])
             cells.append(
                 f"{correlation(reference.heatmaps, reduced.heatmaps):.4f} "
-                f"({size}, fp32 {seconds:.1f} s)"
+                f"({size}, `{layer}`, fp32 {seconds:.1f} s)"
             )
         print(f"| `{method}` | " + " | ".join(cells) + " |", flush=True)
 
