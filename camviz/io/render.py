@@ -9,7 +9,7 @@ input size) is stretched back onto the photo, not the photo squeezed to the mode
 
 Overlays and :func:`panel_image` are drawn with colour look-up tables
 (:mod:`camviz.io.colormaps`, the same colours as matplotlib's) and Pillow: no matplotlib,
-so a folder job draws them at the speed of numpy. Pixel-level maps (vanilla gradients,
+so a folder job draws them with a few tensor operations. Pixel-level maps (vanilla gradients,
 guided backprop) are customarily shown clipped at a high percentile (``clip=99``): a few
 pixels hold the maximum, and unclipped the overlay looks empty.
 
@@ -150,7 +150,7 @@ def panel_image(
 ) -> Image.Image:
     """Image, heatmap and overlay side by side under ``title``, drawn with Pillow.
 
-    The picture :func:`panel` draws with matplotlib, about 50 times faster: each of the
+    The picture :func:`panel` draws with matplotlib, many times faster: each of the
     three is ``width`` pixels wide (the photo's aspect kept), captioned, on white, the
     title above in Pillow's default font. ``camviz explain`` writes these.
 
