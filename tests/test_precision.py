@@ -143,3 +143,18 @@ def test_precision_the_hardware_lacks_is_refused_in_one_line(tiny, batch, monkey
     with pytest.warns(UserWarning, match="running it anyway"):
         result = camviz.explain(tiny, batch, "gradcam", "features.2", precision="bf16")
     assert torch.equal(result.scores, result.scores.bfloat16().float())
+
+
+def test_cli_refuses_an_emulated_precision_in_one_line_and_writes_nothing(
+    tmp_path, cat_path, tiny_checkpoint, monkeypatch, capsys
+):
+    from camviz.cli import main
+
+    monkeypatch.setattr(precision, "native", lambda device, dtype: False)
+    monkeypatch.delenv(precision.EMULATED_VARIABLE, raising=False)
+    out = tmp_path / "out"
+    model = ["--model", "resnet18", "--weights", tiny_checkpoint]
+    status = main(["explain", str(cat_path), *model, "--precision", "bf16", "--out", str(out)])
+    error = capsys.readouterr().err
+    assert status == 1 and error.count("\n") == 1 and "bf16 is not computed natively" in error
+    assert not out.exists()

@@ -245,7 +245,7 @@ def explain_dataset(
         progress: A tqdm progress bar on stderr with images/s and the time left: ``True``,
             ``False``, or ``None`` for "when stderr is a terminal".
         **options: Passed to :func:`camviz.explain` (``output_key=``, ``aug_smooth=``,
-            method options).
+            ``precision=``, ``channels_last=``, method options).
 
     Returns:
         A generator of :class:`ImageResult`, one per input. Results come as their batch
