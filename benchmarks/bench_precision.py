@@ -6,7 +6,7 @@ Run by hand (never in the tests)::
     python benchmarks/bench_precision.py --quick      # small inputs: a smoke run
     python benchmarks/bench_precision.py --speed --threads 1   # the speed table instead
 
-``--speed`` times, side by side in one run (median of ``--repeat`` runs): Grad-CAM of a
+``--speed`` times, side by side in one run (fastest of ``--repeat`` runs): Grad-CAM of a
 random-weight ResNet-50 (``layer4``, batch 8, 224 px) and Score-CAM of a random-weight
 ResNet-18 (``layer4``, one image) in fp32, fp32 with channels-last, and bf16 with
 channels-last (only where the CPU computes bf16 natively: emulated, it is refused), against
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -69,15 +68,22 @@ def correlation(first: torch.Tensor, second: torch.Tensor) -> float:
     return float(torch.corrcoef(torch.stack([first.flatten(), second.flatten()]))[0, 1])
 
 
-def timed(run: Callable[[], torch.Tensor], repeat: int) -> tuple[float, torch.Tensor]:
-    """``(median seconds of repeat runs, the maps)``, after a first run that warms up."""
-    maps = run()
-    seconds = []
+def timed(
+    runs: dict[str, Callable[[], torch.Tensor]], repeat: int
+) -> dict[str, tuple[float, torch.Tensor]]:
+    """``{name: (fastest of repeat runs in seconds, the maps)}``, after a warm-up run each.
+
+    The variants take turns, round by round, so that a busy spell on a shared machine does
+    not fall on one variant only; the fastest run is the least disturbed one.
+    """
+    maps = {name: run() for name, run in runs.items()}
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeat):
-        started = time.perf_counter()
-        run()
-        seconds.append(time.perf_counter() - started)
-    return statistics.median(seconds), maps
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            seconds[name].append(time.perf_counter() - started)
+    return {name: (min(seconds[name]), maps[name]) for name in runs}
 
 
 def speed_rows(
@@ -113,12 +119,13 @@ def speed_rows(
             (maps,) = extractor(classes, model(inputs))
         return maps.detach()
 
-    results = {
-        f"camviz {variant}": timed(lambda options=options: ours(*options), repeat)
+    runs = {
+        f"camviz {variant}": lambda options=options: ours(*options)
         for variant, options in variants.items()
     }
     if method == "scorecam":
-        results["torchcam fp32"] = timed(torchcam_scorecam, repeat)
+        runs["torchcam fp32"] = torchcam_scorecam
+    results = timed(runs, repeat)
     reference_seconds, reference = results["camviz fp32"]
     return [
         f"| {name} | {variant} | {seconds:.2f} s | {reference_seconds / seconds:.2f}x "
@@ -127,7 +134,7 @@ def speed_rows(
     ]
 
 
-def speed(repeat: int) -> None:
+def speed(repeat: int, size: int) -> None:
     import torchvision
 
     from camviz.core.precision import native
@@ -136,19 +143,19 @@ def speed(repeat: int) -> None:
     setups = {
         "Grad-CAM, ResNet-50, batch 8": (
             torchvision.models.resnet50(weights=None).eval(),
-            torch.randn(8, 3, 224, 224),
+            torch.randn(8, 3, size, size),
             "gradcam",
         ),
         "Score-CAM, ResNet-18, 1 image": (
             torchvision.models.resnet18(weights=None).eval(),
-            torch.randn(1, 3, 224, 224),
+            torch.randn(1, 3, size, size),
             "scorecam",
         ),
     }
     variants = {"fp32": ("fp32", False), "fp32 + channels-last": ("fp32", True)}
     if native(torch.device("cpu"), torch.bfloat16):
         variants["bf16 + channels-last"] = ("bf16", True)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {size} px")
     print("| what | variant | time | speed vs camviz fp32 | correlation with camviz fp32 |")
     print("| --- | --- | --- | --- | --- |")
     for name, (model, inputs, method) in setups.items():
@@ -165,11 +172,12 @@ def main() -> None:
     parser.add_argument("--methods", nargs="*", help="only these registry names")
     parser.add_argument("--speed", action="store_true", help="the speed table instead")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--size", type=int, default=224, help="--speed: input side, pixels")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.speed:
-        speed(args.repeat)
+        speed(args.repeat, args.size)
         return
     os.environ["CAMVIZ_EMULATED_PRECISION"] = "1"
     warnings.simplefilter("ignore", UserWarning)
