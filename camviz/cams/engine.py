@@ -39,7 +39,7 @@ from camviz.cams.layout import as_spatial, layout_of, patch_size
 from camviz.cams.registry import get
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import detach_to, edit
-from camviz.core.layers import default_target_layer, resolve_layers
+from camviz.core.layers import Layer, default_target_layer, resolve_layers
 from camviz.core.maps import normalize, upsample
 from camviz.core.modelstate import eval_mode
 from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
@@ -202,7 +202,7 @@ def explain(
     model: nn.Module,
     inputs: torch.Tensor,
     method: str | CamMethod = "gradcam",
-    layer: str | Sequence[str] | None = None,
+    layer: Layer | Sequence[Layer] | None = None,
     target: Target = None,
     *,
     output_key: str | int | None = None,
@@ -403,7 +403,7 @@ def _aug_smoothed(
 
 
 def _target_layers(
-    model: nn.Module, inputs: torch.Tensor, layer: str | Sequence[str] | None
+    model: nn.Module, inputs: torch.Tensor, layer: Layer | Sequence[Layer] | None
 ) -> list[str]:
     if layer is None:
         return [default_target_layer(model, inputs)]

@@ -231,7 +231,7 @@ def _class_scores(output: Any, output_key: str | int | None) -> torch.Tensor:
         raise CamvizError(
             f"class-id targets need (N, classes) scores, but the model output has shape "
             f"{tuple(logits.shape)}; for a segmentation output use "
-            "camviz.core.targets.Region(class_id, mask), or pass a callable target"
+            "camviz.Region(class_id, mask), or pass a callable target"
         )
     return logits
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import capture
+from camviz.core.layers import Layer
 from camviz.core.modelstate import eval_mode
 
 
@@ -36,7 +37,7 @@ class Features(dict):
 def features(
     model: nn.Module,
     inputs: Any,
-    layers: str | Iterable[str],
+    layers: Layer | Iterable[Layer],
     *,
     device: torch.device | str | None = None,
     inputs_too: bool = False,

@@ -29,11 +29,11 @@ import torch
 from torch import nn
 
 from camviz.core.errors import CamvizError
-from camviz.debug.extraction import call_model
 from camviz.core.hooks import tensors_in
-from camviz.core.layers import resolve_layers
+from camviz.core.layers import Layer, resolve_layers
 from camviz.core.modelstate import HookSet, eval_mode
 from camviz.core.targets import Target, score_fns
+from camviz.debug.extraction import call_model
 
 # The order of the numbers that tensor_stats returns.
 STATISTICS = ("mean", "std", "min", "max", "zeros", "nans", "infs")
@@ -224,7 +224,7 @@ def inspect(
     model: nn.Module,
     inputs: Any,
     *,
-    layers: str | Iterable[str] | None = None,
+    layers: Layer | Iterable[Layer] | None = None,
     backward: bool = False,
     target: Target = None,
 ) -> LayerTable:
@@ -387,7 +387,7 @@ class _Recorder(HookSet):
     def __init__(
         self,
         model: nn.Module,
-        layers: str | Iterable[str] | None,
+        layers: Layer | Iterable[Layer] | None,
         *,
         gradients: bool,
         inputs: bool = False,

@@ -32,11 +32,12 @@ from PIL import Image
 from camviz.cams.engine import explain
 from camviz.cams.registry import get
 from camviz.core.errors import CamvizError
-from camviz.io.images import load_image
+from camviz.core.layers import Layer
+from camviz.core.targets import as_logits
 from camviz.evaluation.metrics import confidence, deletion, insertion, win_rate
+from camviz.io.images import load_image
 from camviz.io.models import LoadedModel
 from camviz.io.render import atomic_write, overlay
-from camviz.core.targets import as_logits
 
 REPORT = "report.html"
 METRICS = "metrics.csv"
@@ -132,7 +133,7 @@ def compare(
     loaded: LoadedModel,
     methods: Sequence[str],
     *,
-    layer: str | Sequence[str] | None = None,
+    layer: Layer | Sequence[Layer] | None = None,
     steps: int = 20,
     batch_size: int = 16,
     thumbnail: int = 128,

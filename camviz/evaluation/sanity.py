@@ -30,7 +30,7 @@ from torch import nn
 from camviz.cams.base import CamMethod
 from camviz.cams.engine import explain
 from camviz.core.errors import CamvizError
-from camviz.core.layers import resolve_layers
+from camviz.core.layers import Layer, resolve_layers
 from camviz.core.modelstate import HookSet, eval_mode
 from camviz.core.targets import Target, TopK
 
@@ -81,7 +81,7 @@ def cascading_randomization(
     inputs: torch.Tensor,
     method: str | CamMethod | Explainer = "gradcam",
     *,
-    layer: str | Sequence[str] | None = None,
+    layer: Layer | Sequence[Layer] | None = None,
     target: Target = None,
     stages: Sequence[str] | None = None,
     seed: int = 0,
@@ -208,7 +208,7 @@ def _average_ranks(values: torch.Tensor) -> torch.Tensor:
 
 
 def _explainer(
-    method: str | CamMethod | Explainer, layer: str | Sequence[str] | None
+    method: str | CamMethod | Explainer, layer: Layer | Sequence[Layer] | None
 ) -> tuple[Explainer, str]:
     if isinstance(method, (str, CamMethod)):
         from camviz.cams.registry import get

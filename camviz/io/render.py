@@ -37,9 +37,9 @@ from PIL import Image
 from torchvision.utils import make_grid, save_image
 
 from camviz.core.errors import CamvizError
-from camviz.io.images import to_rgb
 from camviz.core.maps import normalize as normalize_maps
 from camviz.core.maps import upsample
+from camviz.io.images import to_rgb
 
 Heatmap: TypeAlias = torch.Tensor | np.ndarray
 Order = Literal["first", "strongest"]

@@ -36,11 +36,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from camviz.cams.engine import explain
 from camviz.core.errors import CamvizError, first_line
-from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
-from camviz.pipeline.inputs import Item, expand
-from camviz.io.models import LoadedModel
+from camviz.core.layers import Layer
 from camviz.core.targets import Target, as_logits
+from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
+from camviz.io.models import LoadedModel
 from camviz.io.video import FrameReader
+from camviz.pipeline.inputs import Item, expand
 
 #: How many predictions each result keeps, best first.
 TOP_PREDICTIONS = 5
@@ -196,7 +197,7 @@ def explain_dataset(
     *,
     preprocess: Callable[[Image.Image], torch.Tensor] | None = None,
     method: str = "gradcam",
-    layer: str | Sequence[str] | None = None,
+    layer: Layer | Sequence[Layer] | None = None,
     target: Target = None,
     batch_size: int = 16,
     workers: int = 0,
@@ -362,7 +363,7 @@ class _BatchExplainer:
         network: nn.Module,
         categories: Sequence[str] | None,
         method: str,
-        layer: str | Sequence[str] | None,
+        layer: Layer | Sequence[Layer] | None,
         target: Target,
         options: dict[str, Any],
     ) -> None:
