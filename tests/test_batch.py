@@ -269,7 +269,7 @@ KILLED_RUN = """
 import os, signal, sys
 import camviz.pipeline.job
 from camviz.cli import main
-from camviz.io.render import atomic_write
+from camviz.io.atomic import atomic_write
 
 saved = 0
 real_save = camviz.pipeline.job._save_png

@@ -1,27 +1,15 @@
 """The engine: one forward pass, exactly the gradients a method needs, then post-processing.
 
-How the gradient ``dy/dA`` at a target layer is obtained, and why this way:
+The model runs under ``torch.no_grad()``. A forward hook on each target layer copies its
+output ``A`` and hands the rest of the network ``A + delta``, where ``delta`` is a zero tensor
+that requires grad; ``torch.autograd.grad(y.sum(), delta)`` is then exactly ``dy/dA`` for
+every sample. Nothing below the layer keeps a graph, no parameter gradient is computed, and
+in-place operations after the layer cannot change what was recorded (why this way, and not
+with backward hooks: ``docs/architecture.md``). Methods turn the recorded :class:`LayerData`
+into raw maps; the engine applies ReLU, normalises, resizes and fuses.
 
-1. The model runs under ``torch.no_grad()``: the part of the network *before* the target
-   layer keeps no autograd graph at all, so memory stays that of plain inference.
-2. A forward hook on the target layer (an :func:`camviz.core.hooks.edit`) copies the output
-   ``A``, switches grad mode on, and hands the rest of the network ``A + delta`` where
-   ``delta`` is a zero tensor that requires grad. From there on autograd records the graph.
-3. ``torch.autograd.grad(y.sum(), delta)`` gives ``dy/d(A + delta) = dy/dA`` - for every
-   sample at once, because in eval mode samples do not interact. Only the graph after the
-   layer is walked; no parameter ``.grad`` is written and none is computed.
-
-Because the rest of the network sees a *new* tensor, in-place operations after the layer
-(``ReLU(inplace=True)``, ResNet's ``out += identity`` right after ``layer4.1.bn2``) change
-neither the recorded activations nor the gradient. Hooks built on
-``register_full_backward_hook`` fail there, and hooks on the original output tensor record
-the overwritten values; both give wrong maps on ResNet's ``bn2`` layers.
-
-With several target layers each gets its own ``delta``; a later layer's output still
-depends on the earlier ``delta``, so every gradient stays exact.
-
-Whatever happens, the model comes back as it was: hooks removed, every module's
-train/eval flag restored, ``requires_grad`` and ``.grad`` never touched.
+Whatever happens, the model comes back as it was: hooks removed, every module's train/eval
+flag restored, ``requires_grad`` and ``.grad`` never touched.
 """
 
 from __future__ import annotations
@@ -37,6 +25,7 @@ from torch import nn
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.layout import as_spatial, layout_of, patch_size
 from camviz.cams.registry import get
+from camviz.core.batch import as_batch
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import detach_to, edit
 from camviz.core.layers import Layer, default_target_layer, resolve_layers
@@ -248,7 +237,7 @@ def explain(
     if fuse not in ("mean", "max"):
         raise CamvizError(f"fuse must be 'mean' or 'max', not {fuse!r}")
     scales = _aug_scales(aug_smooth, target)
-    inputs = _as_batch(inputs, model)
+    inputs = as_batch(inputs, model)
     with eval_mode(model):
         layers = _target_layers(model, inputs, layer)
         recorded = layer_pass(
@@ -408,23 +397,6 @@ def _target_layers(
     if layer is None:
         return [default_target_layer(model, inputs)]
     return list(resolve_layers(model, layer))
-
-
-def _as_batch(inputs: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    if not isinstance(inputs, torch.Tensor):
-        raise CamvizError(
-            f"inputs must be a tensor, not {type(inputs).__name__}; preprocess images first "
-            "(camviz.images.load_batch)"
-        )
-    if inputs.dim() == 3:
-        inputs = inputs.unsqueeze(0)
-    if inputs.dim() != 4 or not inputs.is_floating_point():
-        raise CamvizError(
-            f"inputs must be a float (N, C, H, W) batch or one (C, H, W) image, got "
-            f"{inputs.dtype} of shape {tuple(inputs.shape)}"
-        )
-    parameter = next(model.parameters(), None)
-    return inputs.to(parameter.device) if parameter is not None else inputs
 
 
 def _check_scores(score: torch.Tensor, batch: int) -> None:

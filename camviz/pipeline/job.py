@@ -57,9 +57,10 @@ from camviz.cams import get as get_method
 from camviz.core.errors import CamvizError
 from camviz.core.layers import Layer
 from camviz.core.targets import Target
+from camviz.io.atomic import atomic_write
 from camviz.io.images import PathLike
 from camviz.io.models import LoadedModel
-from camviz.io.render import atomic_write, overlay, panel, save
+from camviz.io.render import overlay, panel, save
 from camviz.io.video import frame_rate, write_video
 from camviz.pipeline import distributed, manifest
 from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
