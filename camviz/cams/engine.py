@@ -207,7 +207,7 @@ def explain(
         inputs: ``(N, C, H, W)`` batch, or one ``(C, H, W)`` image, already preprocessed.
             Moved to the model's device.
         method: A registry name (:func:`camviz.cams.names`) or a method instance.
-        layer: Target layer name(s) or wildcard pattern(s). ``None`` picks the last layer
+        layer: Target layer(s): names, wildcard patterns or submodules. ``None`` picks the last layer
             with a spatial output, or for a vision transformer the norm before its last
             attention (:func:`camviz.core.layers.default_target_layer`; found once per model
             with a one-sample dry run).
