@@ -207,8 +207,8 @@ def explain(
         inputs: ``(N, C, H, W)`` batch, or one ``(C, H, W)`` image, already preprocessed.
             Moved to the model's device.
         method: A registry name (:func:`camviz.cams.names`) or a method instance.
-        layer: Target layer(s): names, wildcard patterns or submodules. ``None`` picks the last layer
-            with a spatial output, or for a vision transformer the norm before its last
+        layer: Target layer(s): names, wildcard patterns or submodules. ``None`` picks the last
+            layer with a spatial output, or for a vision transformer the norm before its last
             attention (:func:`camviz.core.layers.default_target_layer`; found once per model
             with a one-sample dry run).
         target: What to explain; see :mod:`camviz.core.targets` (class id, list of ids, ``None``
