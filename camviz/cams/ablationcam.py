@@ -62,6 +62,7 @@ class AblationCAM(PerturbationMethod):
     Args:
         batch_size: Ablated copies per pass of the later layers (bounds memory). ``None``
             takes as many as fit in 128 MiB (``COPIES_MEMORY``), at least one.
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
     name = "ablationcam"
@@ -80,7 +81,7 @@ class AblationCAM(PerturbationMethod):
             original = data.scores.unsqueeze(1)
             drop = original - scores
             weights = torch.where(original != 0, drop / original, drop)
-            maps.append(torch.einsum("nc,nchw->nhw", weights, activations))
+            maps.append(self.weighted_map(weights, activations))
         return maps
 
     def ablated_scores(self, ranks: Sequence[LayerData]) -> torch.Tensor:

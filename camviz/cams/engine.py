@@ -8,6 +8,11 @@ in-place operations after the layer cannot change what was recorded (why this wa
 with backward hooks: ``docs/architecture.md``). Methods turn the recorded :class:`LayerData`
 into raw maps; the engine applies ReLU, normalises, resizes and fuses.
 
+Methods that need second-order information (ShapleyCAM's ``H A``) get it from the same pass:
+the gradient is taken with ``create_graph=True``, so ``g = dy/d(delta)`` is itself a function
+of ``delta``, and ``torch.autograd.grad(g, delta, grad_outputs=A)`` is the Hessian of ``y``
+with respect to ``A`` applied to ``A``. Only the graph after the layer is walked, twice.
+
 Whatever happens, the model comes back as it was: hooks removed, every module's train/eval
 flag restored, ``requires_grad`` and ``.grad`` never touched.
 """
@@ -24,7 +29,7 @@ from torch import nn
 
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.layout import as_spatial, layout_of, patch_size
-from camviz.cams.registry import get
+from camviz.cams.registry import create
 from camviz.core.batch import as_batch
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import detach_to, edit
@@ -79,6 +84,8 @@ class LayerPass:
             asked for).
         activations: ``{layer: A}``, ``(N, ...)`` copies of each layer's output.
         gradients: ``{layer: [dy_k/dA for each rank k]}``; empty without gradients.
+        hessian_products: ``{layer: [H_k A for each rank k]}``, ``H_k`` the Hessian of
+            ``y_k`` with respect to ``A``; empty unless asked for.
         scores: ``(N, K)`` explained scores.
         score_fns: One function per rank from a model output to ``(N,)`` scores.
         class_ids: ``(N, K)`` explained classes, or ``None`` for a callable target.
@@ -90,6 +97,7 @@ class LayerPass:
     scores: torch.Tensor
     score_fns: list[ScoreFn]
     class_ids: torch.Tensor | None
+    hessian_products: dict[str, list[torch.Tensor]]
 
 
 class _Tap:
@@ -128,15 +136,17 @@ def layer_pass(
     *,
     gradients: bool = True,
     output_key: str | int | None = None,
+    hessian: bool = False,
 ) -> LayerPass:
     """Run the model once and record activations (and exact gradients) at ``layers``.
 
     The building block under every method: :func:`explain` calls it once, and methods
     that average over noisy or augmented inputs call it once per variant. The model must
-    already be in the mode wanted (``explain`` puts it in eval mode).
+    already be in the mode wanted (``explain`` puts it in eval mode). ``hessian=True`` (with
+    ``gradients``) also records ``H A`` at each layer (see the module docstring).
     """
     with torch.inference_mode(False):  # a caller's inference mode would stop the graph too
-        return _layer_pass(model, inputs, layers, target, gradients, output_key)
+        return _layer_pass(model, inputs, layers, target, gradients, output_key, hessian)
 
 
 def _layer_pass(
@@ -146,6 +156,7 @@ def _layer_pass(
     target: Target,
     gradients: bool,
     output_key: str | int | None,
+    hessian: bool = False,
 ) -> LayerPass:
     taps = {name: _Tap(name, gradients) for name in layers}
     with edit(model, taps), torch.no_grad():
@@ -158,6 +169,8 @@ def _layer_pass(
             )
     fns, ids = score_fns(target, output, output_key)
     per_rank: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if gradients else {}
+    hessian = hessian and gradients
+    products: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if hessian else {}
     scores = []
     with torch.enable_grad():
         for rank, score_fn in enumerate(fns):
@@ -173,10 +186,16 @@ def _layer_pass(
                 )
             deltas = [taps[name].delta for name in layers]
             grads = torch.autograd.grad(
-                score.sum(), deltas, retain_graph=rank < len(fns) - 1, allow_unused=True
+                score.sum(),
+                deltas,
+                retain_graph=hessian or rank < len(fns) - 1,
+                create_graph=hessian,
+                allow_unused=True,
             )
             for name, delta, grad in zip(layers, deltas, grads, strict=True):
-                per_rank[name].append(torch.zeros_like(delta) if grad is None else grad)
+                per_rank[name].append(torch.zeros_like(delta) if grad is None else grad.detach())
+                if hessian:
+                    products[name].append(_hessian_product(grad, delta, taps[name].activation))
     return LayerPass(
         output=detach_to(output, None),
         activations={name: tap.activation for name, tap in taps.items()},
@@ -184,7 +203,24 @@ def _layer_pass(
         scores=torch.stack(scores, dim=1),
         score_fns=fns,
         class_ids=ids,
+        hessian_products=products,
     )
+
+
+def _hessian_product(
+    gradient: torch.Tensor | None, delta: torch.Tensor, activation: torch.Tensor
+) -> torch.Tensor:
+    """``H A``: the derivative of ``gradient`` (``dy/d(delta)``, with its graph) along ``A``.
+
+    Zero where the gradient does not depend on ``delta`` (the layers after the target are
+    piecewise linear in it, as with ReLU networks, or do not use it).
+    """
+    if gradient is None or not gradient.requires_grad:
+        return torch.zeros_like(delta)
+    (product,) = torch.autograd.grad(
+        gradient, delta, grad_outputs=activation, retain_graph=True, allow_unused=True
+    )
+    return torch.zeros_like(delta) if product is None else product
 
 
 def explain(
@@ -225,7 +261,9 @@ def explain(
             scales chooses them (``(1.0,)``: flips only, for models with a fixed input size
             such as ViTs); the plain pass always counts once. The explained classes are
             those of the plain pass.
-        **options: Passed to the method's constructor (e.g. ``batch_size``).
+        **options: Passed to the method's constructor (e.g. ``batch_size``, ``eigen_smooth``;
+            each method's docstring lists its own); an option the method does not take is a
+            :class:`CamvizError`.
 
     Returns:
         An :class:`Explanation`.
@@ -233,7 +271,15 @@ def explain(
     Raises:
         CamvizError: A bad layer name, target, input shape or method name.
     """
-    cam = get(method)(**options) if isinstance(method, str) else method
+    if isinstance(method, str):
+        cam = create(method, **options)
+    elif options:
+        raise CamvizError(
+            f"options ({', '.join(options)}) are for a method given by name; set them on the "
+            "method instance instead"
+        )
+    else:
+        cam = method
     if fuse not in ("mean", "max"):
         raise CamvizError(f"fuse must be 'mean' or 'max', not {fuse!r}")
     scales = _aug_scales(aug_smooth, target)
@@ -241,7 +287,13 @@ def explain(
     with eval_mode(model):
         layers = _target_layers(model, inputs, layer)
         recorded = layer_pass(
-            model, inputs, layers, target, gradients=cam.uses_gradients, output_key=output_key
+            model,
+            inputs,
+            layers,
+            target,
+            gradients=cam.uses_gradients,
+            output_key=output_key,
+            hessian=cam.uses_hessian,
         )
         maps_by_layer = _layer_maps(cam, model, inputs, recorded)
         full_size = {
@@ -290,6 +342,7 @@ def _layer_maps(
         ranks = []
         for rank, score_fn in enumerate(recorded.score_fns):
             gradients = recorded.gradients[name][rank] if recorded.gradients else None
+            product = recorded.hessian_products[name][rank] if recorded.hessian_products else None
             ranks.append(
                 LayerData(
                     layer=name,
@@ -301,6 +354,7 @@ def _layer_maps(
                     class_ids=None if recorded.class_ids is None else recorded.class_ids[:, rank],
                     scores=recorded.scores[:, rank],
                     layout=layout,
+                    hessian_products=None if product is None else layout.to_spatial(product),
                 )
             )
         with torch.no_grad():
@@ -371,6 +425,7 @@ def _aug_smoothed(
                 target,
                 gradients=cam.uses_gradients,
                 output_key=output_key,
+                hessian=cam.uses_hessian,
             )
         except (RuntimeError, AssertionError, ValueError) as error:
             if scale == 1:

@@ -13,35 +13,43 @@ from typing import Any
 
 import torch
 
-from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.base import CamMethod, ChannelMapMethod, LayerData
 from camviz.core.errors import CamvizError
 
 
-class PerturbationMethod(CamMethod):
+class PerturbationMethod(ChannelMapMethod):
     """Base of the methods that weigh channels by scoring perturbed copies.
 
     Subclasses implement :meth:`rank_maps`, which scores every rank of a top-k target from
-    the same perturbed passes; a single rank is the one-element case.
+    the same perturbed passes (a single rank is the one-element case), and turn each rank's
+    ``(N, C)`` channel weights into a map with :meth:`weighted_map`.
 
     Args:
         batch_size: Perturbed copies per forward pass (bounds memory); ``None`` lets the
             method choose for the device.
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod`.
     """
 
     uses_gradients = False
 
-    def __init__(self, batch_size: int | None = None) -> None:
-        self.batch_size = None if batch_size is None else checked_batch_size(self.name, batch_size)
+    def __init__(self, batch_size: int | None = None, *, eigen_smooth: bool = False) -> None:
+        super().__init__(eigen_smooth=eigen_smooth)
+        self.batch_size = None if batch_size is None else checked_count(self, "batch_size", batch_size)
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
         return self.rank_maps([data])[0]
 
+    def weighted_map(self, weights: torch.Tensor, activations: torch.Tensor) -> torch.Tensor:
+        """The ``(N, h, w)`` map of ``(N, C)`` channel weights on ``(N, C, h, w)``
+        activations: ``sum_k w_k A^k``, or its ``eigen_smooth`` counterpart."""
+        return self.combine(weights[:, :, None, None] * activations)
 
-def checked_batch_size(method: str, batch_size: int) -> int:
-    """``batch_size`` if it is a positive int, else a :class:`CamvizError`."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise CamvizError(f"{method} needs batch_size >= 1 (an int), got {batch_size!r}")
-    return batch_size
+
+def checked_count(method: CamMethod, option: str, value: int) -> int:
+    """``value`` of a method's option if it is a positive int, else a :class:`CamvizError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CamvizError(f"{method.name} needs {option} >= 1 (an int), got {value!r}")
+    return value
 
 
 def take_rows(output: Any, rows: torch.Tensor) -> Any:
