@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from PIL import Image
-from reference import leaf_activations_and_gradients
+from reference import leaf_activations_and_gradients, principal_projection
 from torch import nn
 
 import camviz
@@ -135,17 +135,6 @@ def gradcam_pp(a, g, moments=None):
 def xgradcam(a, g):
     weights = (a / a.sum(dim=(2, 3), keepdim=True) * g).sum(dim=(2, 3), keepdim=True)
     return (weights * a).sum(1)
-
-
-def principal_projection(features):
-    """Projection on the top eigenvector of the covariance (eigh, not SVD), signed to
-    correlate with the channel sum."""
-    observations = features.double().flatten(2).transpose(1, 2)
-    centred = observations - observations.mean(1, keepdim=True)
-    _, vectors = torch.linalg.eigh(centred.transpose(1, 2) @ centred)
-    projection = (centred @ vectors[..., -1:]).squeeze(-1)
-    sign = torch.sign((projection * observations.sum(-1)).sum(-1, keepdim=True))
-    return (projection * sign).view(features.shape[0], *features.shape[2:]).float()
 
 
 PAPER_FORMULAS = {
