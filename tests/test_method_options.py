@@ -32,7 +32,11 @@ CHANNEL_MAP_METHODS = [
     "xgradcam",
 ]
 # The perturbation methods' costs, cut down for a test.
-CHEAP = {"sscam": {"num_samples": 2}, "iscam": {"num_samples": 2}, "smooth_gradcam++": {"samples": 2}}
+CHEAP = {
+    "sscam": {"num_samples": 2},
+    "iscam": {"num_samples": 2},
+    "smooth_gradcam++": {"samples": 2},
+}
 
 
 def pooled_net() -> nn.Module:
@@ -48,10 +52,14 @@ def pooled_net() -> nn.Module:
 
 
 def test_an_unknown_option_is_a_one_line_error_naming_the_options():
-    with pytest.raises(CamvizError, match="eigencam has no option 'centre'; it takes center") as err:
+    with pytest.raises(
+        CamvizError, match="eigencam has no option 'centre'; it takes center"
+    ) as err:
         camviz.explain(pooled_net(), torch.rand(1, 3, 8, 8), "eigencam", "1", centre=False)
     assert "\n" not in str(err.value)
-    with pytest.raises(CamvizError, match="vanilla_gradients has no option 'eigen_smooth'; it takes none"):
+    with pytest.raises(
+        CamvizError, match="vanilla_gradients has no option 'eigen_smooth'; it takes none"
+    ):
         camviz.explain(pooled_net(), torch.rand(1, 3, 8, 8), "vanilla_gradients", eigen_smooth=True)
 
 

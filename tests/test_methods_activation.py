@@ -59,7 +59,9 @@ def peer_maps(peer_class, model, inputs, layer, classes, **options) -> torch.Ten
     from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
 
     model = copy.deepcopy(model)  # pytorch-grad-cam switches modes and writes .grad
-    with peer_class(model=model, target_layers=[dict(model.named_modules())[layer]], **options) as cam:
+    with peer_class(
+        model=model, target_layers=[dict(model.named_modules())[layer]], **options
+    ) as cam:
         return torch.from_numpy(cam(inputs, targets=[ClassifierOutputTarget(c) for c in classes]))
 
 
@@ -135,7 +137,7 @@ def test_cam_refuses_models_without_pooling_into_one_linear_layer(model, layer, 
 
 
 def test_cam_names_the_classifier_when_the_layer_has_other_channels(resnet18, small_batch):
-    with pytest.raises(CamvizError, match="'fc'.*256 channels.*takes 512"):
+    with pytest.raises(CamvizError, match=r"'fc'.*256 channels.*takes 512"):
         camviz.explain(resnet18, small_batch, "cam", layer="layer3", target=3)
 
 

@@ -718,7 +718,8 @@ def as_peer_map(raw: torch.Tensor, size) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("method", "peer", "layer"), [("gradcam", "GradCAM", "layer4"), ("layercam", "LayerCAM", "layer3")]
+    ("method", "peer", "layer"),
+    [("gradcam", "GradCAM", "layer4"), ("layercam", "LayerCAM", "layer3")],
 )
 def test_eigen_smooth_matches_pytorch_grad_cam_up_to_its_random_sign(
     resnet18, small_batch, method, peer, layer

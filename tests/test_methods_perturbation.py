@@ -253,7 +253,11 @@ def test_probability_weighting_equals_the_authors_code(method, tiny_inputs):
 def test_probability_weighting_needs_a_target_with_logits(tiny_inputs):
     with pytest.raises(CamvizError, match="not a callable"):
         camviz.explain(
-            TinyNet(), tiny_inputs, "scorecam", "features", lambda out: out[:, 0],
+            TinyNet(),
+            tiny_inputs,
+            "scorecam",
+            "features",
+            lambda out: out[:, 0],
             weighting="probability",
         )
     with pytest.raises(CamvizError, match="weighting='softmax' or 'probability'"):
@@ -425,10 +429,7 @@ def test_scorecam_matches_pytorch_grad_cam_and_torchcam(resnet18, peer_batch, un
     )
     with TorchcamScoreCAM(resnet18, "layer1", input_shape=(3, 64, 64)) as extractor:
         (torchcam_maps,) = extractor([3, 7], resnet18(peer_batch))
-    scales = [1 / 3, 1, 2]  # the running sums of 1/3, 2/3, 3/3
-    expected = paper_scorecam(model, inputs, "features", [0, 2, 1], scales=scales, torchcam=True)
-    torch.testing.assert_close(torchcam_maps, expected, rtol=0, atol=1e-5)
-    torch.testing.assert_close(result.layer_maps, torchcam_maps, rtol=0, atol=5e-2)
+    torch.testing.assert_close(result.layer_maps, torchcam_maps, rtol=0, atol=1e-2)
 
 
 def test_iscam_matches_torchcam(tiny_inputs, untouched):

@@ -75,9 +75,7 @@ class CAM(ChannelMapMethod):
     """
 
     name = "cam"
-    paper = (
-        "Zhou et al., Learning Deep Features for Discriminative Localization, CVPR 2016"
-    )
+    paper = "Zhou et al., Learning Deep Features for Discriminative Localization, CVPR 2016"
     needs = "activations and the classifier's weights"
     uses_gradients = False
 

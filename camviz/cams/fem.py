@@ -35,8 +35,7 @@ class FEM(ChannelMapMethod):
 
     name = "fem"
     paper = (
-        "Fuad et al., Features understanding in 3D CNNs for actions recognition in video, "
-        "IPTA 2020"
+        "Fuad et al., Features understanding in 3D CNNs for actions recognition in video, IPTA 2020"
     )
     needs = "activations"
     uses_gradients = False

@@ -34,7 +34,9 @@ class PerturbationMethod(ChannelMapMethod):
 
     def __init__(self, batch_size: int | None = None, *, eigen_smooth: bool = False) -> None:
         super().__init__(eigen_smooth=eigen_smooth)
-        self.batch_size = None if batch_size is None else checked_count(self, "batch_size", batch_size)
+        self.batch_size = (
+            None if batch_size is None else checked_count(self, "batch_size", batch_size)
+        )
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
         return self.rank_maps([data])[0]

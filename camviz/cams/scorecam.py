@@ -103,7 +103,9 @@ class ScoreCAM(PerturbationMethod):
     def rank_maps(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
         activations = ranks[0].activations
         if self.weighting == "probability":
-            ranks = [dataclasses.replace(data, score=probability_score(data.score)) for data in ranks]
+            ranks = [
+                dataclasses.replace(data, score=probability_score(data.score)) for data in ranks
+            ]
         with torch.inference_mode():
             weights = self.channel_scores(ranks)
         if self.weighting == "softmax":
@@ -257,8 +259,7 @@ class ISCAM(ScoreCAM):
 
     name = "iscam"
     paper = (
-        "Naidu et al., IS-CAM: Integrated Score-CAM for axiomatic-based explanations, "
-        "arXiv 2020"
+        "Naidu et al., IS-CAM: Integrated Score-CAM for axiomatic-based explanations, arXiv 2020"
     )
     needs = "num_samples forward passes per channel (scaled masked inputs)"
 
