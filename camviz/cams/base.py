@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -20,6 +20,20 @@ from camviz.core.errors import CamvizError
 
 if TYPE_CHECKING:
     from camviz.cams.layout import Layout
+
+
+T = TypeVar("T")
+
+
+def required(value: T | None, what: str) -> T:
+    """``value``, which the engine records for the methods that ask for it (``what``: what it
+    is, for the message); a :class:`CamvizError` if a method was called without it."""
+    if value is None:
+        raise CamvizError(
+            f"this method needs the layer's {what}, which camviz.explain records; run it "
+            "through camviz.explain"
+        )
+    return value
 
 
 @dataclass

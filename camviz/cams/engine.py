@@ -161,12 +161,14 @@ def _layer_pass(
     taps = {name: _Tap(name, gradients) for name in layers}
     with edit(model, taps), torch.no_grad():
         output = model(inputs)
+    activations: dict[str, torch.Tensor] = {}
     for tap in taps.values():
         if tap.activation is None:
             raise CamvizError(
                 f"layer {tap.name!r} did not run in the forward pass; pick a layer that the "
                 "model uses (`camviz layers` lists them with shapes)"
             )
+        activations[tap.name] = tap.activation
     fns, ids = score_fns(target, output, output_key)
     per_rank: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if gradients else {}
     hessian = hessian and gradients
@@ -184,7 +186,7 @@ def _layer_pass(
                     f"the explained score does not depend on layer(s) {', '.join(layers)}; "
                     "pick a layer before the model's output"
                 )
-            deltas = [taps[name].delta for name in layers]
+            deltas = [delta for name in layers if (delta := taps[name].delta) is not None]
             grads = torch.autograd.grad(
                 score.sum(),
                 deltas,
@@ -195,10 +197,10 @@ def _layer_pass(
             for name, delta, grad in zip(layers, deltas, grads, strict=True):
                 per_rank[name].append(torch.zeros_like(delta) if grad is None else grad.detach())
                 if hessian:
-                    products[name].append(_hessian_product(grad, delta, taps[name].activation))
+                    products[name].append(_hessian_product(grad, delta, activations[name]))
     return LayerPass(
         output=detach_to(output, None),
-        activations={name: tap.activation for name, tap in taps.items()},
+        activations=activations,
         gradients=per_rank,
         scores=torch.stack(scores, dim=1),
         score_fns=fns,
@@ -301,7 +303,7 @@ def explain(
         }
         if scales:
             # Augmented passes explain the classes chosen here, even if augmentation flips them.
-            fixed = recorded.class_ids
+            fixed: Target = recorded.class_ids
             if fixed is None or isinstance(target, Contrast):
                 fixed = target
             maps_by_layer, full_size = _aug_smoothed(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import ChannelMapMethod, LayerData
+from camviz.cams.base import ChannelMapMethod, LayerData, required
 from camviz.cams.engine import layer_pass
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
@@ -69,7 +69,7 @@ class GradCAMPlusPlus(ChannelMapMethod):
     )
 
     def weighted_activations(self, data: LayerData) -> torch.Tensor:
-        gradients = data.gradients
+        gradients = required(data.gradients, "gradients")
         squared = gradients.square()
         weights = plusplus_weights(data.activations, gradients, squared, squared * gradients)
         return weights * data.activations
@@ -148,7 +148,7 @@ class SmoothGradCAMPlusPlus(ChannelMapMethod):
             # The score function is the explained target itself, so class ids, callables and
             # any output type carry over to the noisy batch unchanged.
             noisy = layer_pass(data.model, inputs + sigma * noise, [data.layer], data.score)
-            gradients = data.layout.to_spatial(noisy.gradients[data.layer][0])
+            gradients = required(data.layout, "layout").to_spatial(noisy.gradients[data.layer][0])
             moments += torch.stack([gradients, gradients.square(), gradients.pow(3)])
         first, second, third = moments / self.samples
         return plusplus_weights(data.activations, first, second, third) * data.activations

@@ -45,12 +45,13 @@ class RandomCAM(ChannelMapMethod):
     def weighted_activations(self, data: LayerData) -> torch.Tensor:
         activations = data.activations
         batch, channels = activations.shape[:2]
-        options = {"device": activations.device, "dtype": activations.dtype}
+        device, dtype = activations.device, activations.dtype
         if self.seed is None:
-            uniform = torch.rand(batch, channels, **options)
+            uniform = torch.rand(batch, channels, device=device, dtype=dtype)
         else:
             # Each sample's generator would start from the same seed: one draw serves all.
-            generator = torch.Generator(activations.device).manual_seed(self.seed)
-            uniform = torch.rand(channels, generator=generator, **options).expand(batch, -1)
+            generator = torch.Generator(device).manual_seed(self.seed)
+            uniform = torch.rand(channels, generator=generator, device=device, dtype=dtype)
+            uniform = uniform.expand(batch, -1)
         weights = 2 * uniform - 1  # in [-1, 1)
         return weights[:, :, None, None] * activations
