@@ -818,3 +818,13 @@ def test_shapleycam_matches_pytorch_grad_cam(tiny_inputs, untouched):
     with untouched(model):
         ours = camviz.explain(model, tiny_inputs, "shapleycam", layer="norm", target=CLASSES)
     torch.testing.assert_close(renormalised(ours), theirs, atol=1e-5, rtol=0)
+
+
+def test_shapleycam_ranks_of_a_top_k_target_are_each_their_own_class(tiny_inputs):
+    # One pass serves every rank: the graph kept for the Hessian must serve them all.
+    model = TinyNet(torch.tanh)
+    ranked = camviz.explain(model, tiny_inputs, "shapleycam", "norm", "top2")
+    for rank in range(2):
+        classes = ranked.targets.view(2, 2)[:, rank]
+        alone = camviz.explain(model, tiny_inputs, "shapleycam", "norm", classes)
+        torch.testing.assert_close(ranked.layer_maps.view(2, 2, 5, 5)[:, rank], alone.layer_maps)
