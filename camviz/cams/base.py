@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
+from camviz.core.errors import CamvizError
+
 if TYPE_CHECKING:
     from camviz.cams.layout import Layout
 
@@ -50,6 +52,16 @@ class LayerData:
     class_ids: torch.Tensor | None
     scores: torch.Tensor | None = None
     layout: Layout | None = None
+
+    @property
+    def dy_da(self) -> torch.Tensor:
+        """``gradients``, for a method that needs them (its ``uses_gradients`` is true)."""
+        if self.gradients is None:
+            raise CamvizError(
+                f"no gradients were computed at layer {self.layer!r}; a method that reads "
+                "them must set uses_gradients = True"
+            )
+        return self.gradients
 
 
 class CamMethod:

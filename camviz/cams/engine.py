@@ -150,12 +150,17 @@ def _layer_pass(
     taps = {name: _Tap(name, gradients) for name in layers}
     with edit(model, taps), torch.no_grad():
         output = model(inputs)
+    activations = {}
+    deltas = []  # one per layer when gradients are asked for (the strict zip below checks)
     for tap in taps.values():
         if tap.activation is None:
             raise CamvizError(
                 f"layer {tap.name!r} did not run in the forward pass; pick a layer that the "
                 "model uses (`camviz layers` lists them with shapes)"
             )
+        activations[tap.name] = tap.activation
+        if tap.delta is not None:
+            deltas.append(tap.delta)
     fns, ids = score_fns(target, output, output_key)
     per_rank: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if gradients else {}
     scores = []
@@ -171,7 +176,6 @@ def _layer_pass(
                     f"the explained score does not depend on layer(s) {', '.join(layers)}; "
                     "pick a layer before the model's output"
                 )
-            deltas = [taps[name].delta for name in layers]
             grads = torch.autograd.grad(
                 score.sum(), deltas, retain_graph=rank < len(fns) - 1, allow_unused=True
             )
@@ -179,7 +183,7 @@ def _layer_pass(
                 per_rank[name].append(torch.zeros_like(delta) if grad is None else grad)
     return LayerPass(
         output=detach_to(output, None),
-        activations={name: tap.activation for name, tap in taps.items()},
+        activations=activations,
         gradients=per_rank,
         scores=torch.stack(scores, dim=1),
         score_fns=fns,
@@ -249,7 +253,7 @@ def explain(
         }
         if scales:
             # Augmented passes explain the classes chosen here, even if augmentation flips them.
-            fixed = recorded.class_ids
+            fixed: Target = recorded.class_ids
             if fixed is None or isinstance(target, Contrast):
                 fixed = target
             maps_by_layer, full_size = _aug_smoothed(

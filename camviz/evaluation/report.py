@@ -22,9 +22,10 @@ import csv
 import html
 import io
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image
@@ -113,7 +114,7 @@ class Comparison:
                 for method in self.methods
             }
         )
-        rows = []
+        rows: list[dict[str, float | str]] = []
         for method in self.methods:
             cells = [cell for cell in self.cells if cell.method == method]
             rows.append(
@@ -181,7 +182,7 @@ def compare(
                 progress(f"{Path(path).name}: {name} ({seconds[-1]:.2f} s)")
         maps = torch.stack(heatmaps)
         batch = inputs.expand(len(names), -1, -1, -1)
-        options = {"target": class_id, "batch_size": batch_size}
+        options: dict[str, Any] = {"target": class_id, "batch_size": batch_size}
         deleted = deletion(model, batch, maps, steps=steps, **options)
         inserted = insertion(model, batch, maps, steps=steps, **options)
         confidences = confidence(model, batch, maps, **options)
@@ -439,6 +440,6 @@ def _write_csv(path: Path, rows: list[dict[str, float | int | str]]) -> None:
         writer.writerows(rows)
 
 
-def _mean(values: object) -> float:
-    values = list(values)
-    return sum(values) / len(values)
+def _mean(values: Iterable[float]) -> float:
+    listed = list(values)
+    return sum(listed) / len(listed)

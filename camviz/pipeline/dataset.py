@@ -157,7 +157,8 @@ class _Prepared(Dataset):
         self.keep_images = keep_images
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        # torch's Dataset leaves __len__ to its subclasses; map-style datasets define it.
+        return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, index: int) -> _Sample:
         started = time.perf_counter()
@@ -260,12 +261,13 @@ def explain_dataset(
     if not isinstance(workers, int) or workers < 0:
         raise CamvizError(f"workers must be 0 or more, not {workers!r}")
     if not isinstance(data, Dataset):
-        items = expand(data, every=every)
+        items: list[Item] | None = expand(data, every=every)
         if not items:
             raise CamvizError("no image or video found in the inputs; check the paths")
         data = ItemDataset(items, max_pixels=max_pixels)
     items = data.items if isinstance(data, ItemDataset) else None
-    order = list(range(len(data))) if indices is None else list(indices)
+    # A map-style Dataset has a length (torch's Dataset type leaves __len__ to subclasses).
+    order = list(range(len(data))) if indices is None else list(indices)  # type: ignore[arg-type]
     explainer = _BatchExplainer(network, categories, method, layer, target, options)
     loader = DataLoader(
         _Prepared(data, preprocess, keep_images),
@@ -313,6 +315,7 @@ def _explained(
     finally:
         bar.close()
         del batches  # shuts the workers down, also when the consumer stops early
+        assert isinstance(loader.dataset, _Prepared)
         if isinstance(loader.dataset.dataset, ItemDataset):
             loader.dataset.dataset.close()
 
@@ -328,6 +331,7 @@ class _Buckets:
 
     def add(self, sample: _Sample) -> list[_Sample]:
         """Add ``sample``; returns a batch that is ready (full, or needed to free memory)."""
+        assert sample.inputs is not None  # only decoded samples wait for a batch
         shape = tuple(sample.inputs.shape)
         self.by_shape.setdefault(shape, []).append(sample)
         self.waiting += 1
@@ -370,11 +374,15 @@ class _BatchExplainer:
     def __call__(self, samples: list[_Sample], items: list[Item] | None) -> list[ImageResult]:
         if not samples:
             return []
+        inputs = []
+        for sample in samples:
+            assert sample.inputs is not None  # only decoded samples are batched
+            inputs.append(sample.inputs)
         started = time.perf_counter()
         try:
             explanation = explain(
                 self.network,
-                torch.stack([sample.inputs for sample in samples]),
+                torch.stack(inputs),
                 self.method,
                 self.layer,
                 self.target,
@@ -396,7 +404,7 @@ class _BatchExplainer:
         logits = as_logits(explanation.output, self.options.get("output_key")).detach().float()
         table = logits.dim() == 2  # (N, classes): probabilities and a top list make sense
         probabilities = logits.softmax(-1).cpu() if table else None
-        if table:
+        if probabilities is not None:
             best = probabilities.topk(min(TOP_PREDICTIONS, logits.shape[-1]), dim=-1)
             top_ids, top_probabilities = best.indices.tolist(), best.values.tolist()
             top_scores = logits.cpu().gather(1, best.indices).tolist()
@@ -414,7 +422,7 @@ class _BatchExplainer:
                     score=scores[row],
                     probability=(
                         float(probabilities[position, targets[row]])
-                        if table and targets[row] >= 0
+                        if probabilities is not None and targets[row] >= 0
                         else None
                     ),
                 )
