@@ -118,7 +118,7 @@ if TYPE_CHECKING:
     from camviz.io import render as render
     from camviz.io.images import Preprocess as Preprocess
     from camviz.io.images import load_image as load_image
-    from camviz.io.models import load as load_model  # noqa: F401 - re-exported by _EXPORTS
+    from camviz.io.models import load as load_model
     from camviz.io.render import channel_grid as channel_grid
     from camviz.io.render import overlay as overlay
     from camviz.io.render import panel as panel
@@ -127,6 +127,10 @@ if TYPE_CHECKING:
     from camviz.pipeline.dataset import ImageResult as ImageResult
     from camviz.pipeline.dataset import explain_dataset as explain_dataset
     from camviz.pipeline.job import explain_files as explain_files
+
+    # Type checkers do not evaluate the __all__ above; `X as X` re-exports a name, and an
+    # export imported under another name is re-exported by listing it here.
+    __all__ += ["load_model"]
 
 
 class _AliasLoader(importlib.abc.Loader):
