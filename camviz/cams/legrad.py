@@ -55,23 +55,29 @@ class VitParts:
 
 def vit_parts(model: nn.Module) -> VitParts | None:
     """The blocks and head of a timm or torchvision ``VisionTransformer``, else ``None``."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, (nn.Sequential, nn.ModuleList)) and hasattr(model, "head"):
-        norms = [getattr(model, name, None) for name in ("norm", "fc_norm")]
-
-        def timm_head(tokens: torch.Tensor) -> torch.Tensor:
-            pooled = tokens.mean(dim=1)
-            for norm in norms:
-                pooled = norm(pooled) if norm is not None else pooled
-            return model.head(pooled)
-
-        return VitParts([f"blocks.{index}" for index in range(len(blocks))], timm_head)
-    encoder = getattr(model, "encoder", None)
-    layers = getattr(encoder, "layers", None)
-    if isinstance(layers, nn.Sequential) and hasattr(encoder, "ln") and hasattr(model, "heads"):
-        names = [f"encoder.layers.{name}" for name, _ in layers.named_children()]
-        return VitParts(names, lambda tokens: model.heads(encoder.ln(tokens.mean(dim=1))))
+    modules = dict(model.named_children())
+    blocks, head = modules.get("blocks"), modules.get("head")
+    if isinstance(blocks, (nn.Sequential, nn.ModuleList)) and head is not None:
+        # timm: norm before token pooling, fc_norm after it; one of them is an Identity.
+        norms = [modules[name] for name in ("norm", "fc_norm") if name in modules]
+        names = [f"blocks.{index}" for index in range(len(blocks))]
+        return VitParts(names, partial(_pooled, [*norms, head]))
+    encoder, heads = modules.get("encoder"), modules.get("heads")
+    if encoder is not None and heads is not None:
+        parts = dict(encoder.named_children())
+        layers, norm = parts.get("layers"), parts.get("ln")
+        if isinstance(layers, nn.Sequential) and norm is not None:
+            names = [f"encoder.layers.{name}" for name, _ in layers.named_children()]
+            return VitParts(names, partial(_pooled, [norm, heads]))
     return None
+
+
+def _pooled(modules: Sequence[nn.Module], tokens: torch.Tensor) -> torch.Tensor:
+    """``modules`` applied in turn to the mean token of ``(N, T, C)`` tokens."""
+    pooled = tokens.mean(dim=1)
+    for module in modules:
+        pooled = module(pooled)
+    return pooled
 
 
 class _AttentionTaps(TorchFunctionMode):
@@ -154,7 +160,9 @@ class _AttentionTaps(TorchFunctionMode):
             projected = F.linear(tokens, weight, bias)  # (L, N, E)
             return projected.unflatten(-1, (heads, -1)).permute(1, 2, 0, 3)  # (N, H, L, d)
 
-        q, k, v = (split(t, w, b) for t, w, b in zip((query, key, value), weights, biases))
+        q, k, v = (
+            split(t, w, b) for t, w, b in zip((query, key, value), weights, biases, strict=True)
+        )
         mask = call.get("attn_mask")
         if mask is not None and mask.dim() == 3:
             mask = mask.unflatten(0, (-1, heads))
@@ -178,11 +186,11 @@ def _fused_attention(model: nn.Module) -> Iterator[None]:
     ]
     try:
         for module in switched:
-            module.fused_attn = True
+            setattr(module, "fused_attn", True)  # noqa: B010 - a timm flag, typed Final
         yield
     finally:
         for module in switched:
-            module.fused_attn = False
+            setattr(module, "fused_attn", False)  # noqa: B010
 
 
 @register
@@ -249,9 +257,9 @@ class LeGrad(CamMethod):
 
         taps = _AttentionTaps()
         recorders = {block: partial(keep, block) for block in parts.blocks}
-        with torch.enable_grad(), edit(data.model, recorders), _fused_attention(data.model):
-            with taps:
-                data.model(data.inputs)
+        grad = torch.enable_grad()
+        with grad, edit(data.model, recorders), _fused_attention(data.model), taps:
+            data.model(data.inputs)
         if len(taps.deltas) != len(parts.blocks):
             raise CamvizError(
                 f"legrad found {len(taps.deltas)} fused attention calls in {len(parts.blocks)} "
@@ -266,7 +274,7 @@ class LeGrad(CamMethod):
         )
         maps = []
         for rank in ranks:
-            total = 0
+            total = torch.zeros(())
             for index in used:
                 with torch.enable_grad():
                     score = rank.score(parts.project(outputs[parts.blocks[index]])).sum()
