@@ -97,9 +97,9 @@ __all__ = [*sorted(_EXPORTS), "__version__"]
 if TYPE_CHECKING:
     from camviz import cams as cams
     from camviz.cams.engine import Explanation as Explanation
+    from camviz.cams.engine import explain as explain
     from camviz.cams.factorization import Concepts as Concepts
     from camviz.cams.factorization import factorize as factorize
-    from camviz.cams.engine import explain as explain
     from camviz.core.errors import CamvizError as CamvizError
     from camviz.core.hooks import capture as capture
     from camviz.core.hooks import edit as edit

@@ -251,16 +251,20 @@ def explain(
         }
         if scales:
             # Augmented passes explain the classes chosen here, even if augmentation flips them.
-            fixed: Target = recorded.class_ids
-            if fixed is None:
+            chosen = recorded.class_ids
+            fixed: Target = chosen
+            if chosen is None:
                 fixed = target
             elif isinstance(target, Contrast):
-                fixed = dataclasses.replace(target, a=recorded.class_ids[:, 0])
+                fixed = dataclasses.replace(target, a=chosen[:, 0])
             maps_by_layer, full_size = _aug_smoothed(
                 cam, model, inputs, layers, fixed, output_key, scales, maps_by_layer, full_size
             )
     stacked = torch.stack(list(full_size.values()))
-    fused = {"mean": stacked.mean, "max": stacked.amax, "product": stacked.prod}[fuse](0)
+    if fuse == "product":
+        fused = stacked.prod(0)
+    else:
+        fused = stacked.amax(0) if fuse == "max" else stacked.mean(0)
     batch, ranks = recorded.scores.shape
     ids = recorded.class_ids
     return Explanation(

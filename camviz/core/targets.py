@@ -96,7 +96,16 @@ class Contrast:
 
 
 Target: TypeAlias = (
-    int | str | Sequence[int] | torch.Tensor | TopK | Region | Contrast | ScoreFn | None
+    int
+    | str
+    | Sequence[int]
+    | Sequence[Sequence[int]]
+    | torch.Tensor
+    | TopK
+    | Region
+    | Contrast
+    | ScoreFn
+    | None
 )
 
 
