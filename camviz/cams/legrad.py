@@ -1,16 +1,17 @@
 """LeGrad: gradients of each block's own prediction with respect to its attention map.
 
-No attention matrix needs to exist in the model: timm's ``Attention`` and
-``nn.MultiheadAttention`` (torchvision's ViT calls it with ``need_weights=False``) both call
-:func:`torch.nn.functional.scaled_dot_product_attention`, which fuses softmax and product.
-For the duration of one forward pass a :class:`~torch.overrides.TorchFunctionMode` computes
-each such call explicitly, ``(softmax(q k^T * scale + mask) + delta) v``, with a zero
-``delta`` that requires grad (the engine's trick, :mod:`camviz.cams.engine`): the gradient
-with respect to ``delta`` is the gradient with respect to the attention probabilities, and
-the forward values are those of the fused call up to float rounding. Nothing on the model is
-changed but one flag: timm's ``Attention`` modules built with fused attention off
-(``TIMM_FUSED_ATTN=0``) compute ``softmax`` themselves, so their ``fused_attn`` is switched on
-for the pass and back off at its end, errors included. The mode ends with the pass too.
+No attention matrix needs to exist in the model. timm's ``Attention`` calls
+:func:`torch.nn.functional.scaled_dot_product_attention`, which fuses softmax and product;
+``nn.MultiheadAttention`` (torchvision's ViT, called with ``need_weights=False``) calls
+``F.multi_head_attention_forward``, which calls the former. For the duration of one forward
+pass a :class:`~torch.overrides.TorchFunctionMode` computes each such call explicitly, the
+attention as ``(softmax(q k^T * scale + mask) + delta) v`` with a zero ``delta`` that
+requires grad (the engine's trick, :mod:`camviz.cams.engine`): the gradient with respect to
+``delta`` is the gradient with respect to the attention probabilities, and the forward values
+are those of the fused call up to float rounding. Nothing on the model is changed but one
+flag: timm's ``Attention`` modules built with fused attention off (``TIMM_FUSED_ATTN=0``)
+compute ``softmax`` themselves, so their ``fused_attn`` is switched on for the pass and back
+off at its end, errors included. The mode ends with the pass too.
 """
 
 from __future__ import annotations
