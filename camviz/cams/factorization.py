@@ -12,7 +12,9 @@ in all images of the batch. No class and no gradient is involved.
 
 NMF needs ``V >= 0``: after a ReLU it is; a channel with negative values (a norm layer, a
 transformer's tokens) is shifted by its minimum first, and the shift is added back to the
-concepts' embeddings (as pytorch-grad-cam does).
+concepts' embeddings. pytorch-grad-cam shifts every channel by its minimum, also a positive
+one; that subtracts a rank-one term from ``V`` which ``k`` concepts then have to absorb, so
+camviz leaves non-negative channels as they are (the paper's setting).
 """
 
 from __future__ import annotations
