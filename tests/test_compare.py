@@ -46,14 +46,16 @@ def report(tmp_path_factory, synthetic_model):
     for index, image in enumerate(data.images):
         paths.append(folder / f"shape{index}.png")
         save_image(image, paths[-1])
-    comparison = compare(paths, synthetic_model, camviz.cams.names(), steps=STEPS, batch_size=7)
+    methods = camviz.cams.names(synthetic_model.model)
+    comparison = compare(paths, synthetic_model, methods, steps=STEPS, batch_size=7)
     written = write_report(comparison, folder / "out")
     return comparison, written, paths
 
 
 def test_every_cell_holds_the_metrics_of_its_map(report, synthetic_model):
     comparison, _, paths = report
-    assert comparison.methods == camviz.cams.names()
+    assert comparison.methods == camviz.cams.names(synthetic_model.model)
+    assert "legrad" in camviz.cams.names() and "legrad" not in comparison.methods
     assert len(comparison.cells) == 2 * len(comparison.methods)
     model = synthetic_model.model
     for image_index, path in enumerate(paths):
