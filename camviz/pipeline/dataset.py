@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 from camviz.cams.engine import explain
 from camviz.core.errors import CamvizError, first_line
 from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
-from camviz.pipeline.inputs import Item, expand
+from camviz.pipeline.inputs import Item, expand, not_a_regular_file
 from camviz.io.models import LoadedModel
 from camviz.core.targets import Target, as_logits
 from camviz.io.video import FrameReader
@@ -126,8 +126,10 @@ class ItemDataset(Dataset):
 
     def __getitem__(self, index: int) -> Image.Image:
         item = self.items[index]
-        if item.reason is not None:
-            raise CamvizError(item.reason)
+        # A file may have been replaced by a FIFO since the inputs were listed.
+        reason = item.reason or not_a_regular_file(item.path)
+        if reason is not None:
+            raise CamvizError(reason)
         if item.frame is not None:
             return self._frames.read(item.path, item.frame)
         return load_image(item.path, max_pixels=self.max_pixels)
@@ -410,8 +412,12 @@ class _BatchExplainer:
         targets = explanation.targets.tolist()
         scores = explanation.scores.tolist()
         heatmaps = explanation.heatmaps.detach().cpu()
+        finite = _finite_per_sample(logits, explanation.scores, heatmaps, len(samples))
         results = []
         for position, sample in enumerate(samples):
+            if not finite[position]:
+                results.append(_failed(sample, _NOT_FINITE, items))
+                continue
             rows = range(position * ranks, (position + 1) * ranks)
             explained = [
                 Prediction(
@@ -461,6 +467,24 @@ class _BatchExplainer:
 
     def _name(self, class_id: int) -> str:
         return class_name(self.categories, class_id)
+
+
+_NOT_FINITE = (
+    "the model's output or the map is not finite (NaN or Inf) for this input; check the "
+    "weights (`camviz inspect` names the first layer that makes a NaN)"
+)
+
+
+def _finite_per_sample(
+    logits: torch.Tensor, scores: torch.Tensor, heatmaps: torch.Tensor, count: int
+) -> list[bool]:
+    """Whether each sample's output, explained scores and maps are all finite numbers."""
+    finite = torch.ones(count, dtype=torch.bool)
+    for values in (logits, scores, heatmaps):
+        if values.dim() > 0 and values.shape[0] % count == 0:
+            per_sample = values.detach().cpu().reshape(count, -1)
+            finite &= torch.isfinite(per_sample).all(dim=1)
+    return finite.tolist()
 
 
 def class_name(categories: Sequence[str] | None, class_id: int) -> str:
