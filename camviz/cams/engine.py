@@ -22,6 +22,11 @@ depends on the earlier ``delta``, so every gradient stays exact.
 
 Whatever happens, the model comes back as it was: hooks removed, every module's
 train/eval flag restored, ``requires_grad`` and ``.grad`` never touched.
+
+**Threads.** Calls on one model are serialised (:func:`camviz.core.modelstate.exclusive`):
+a second thread that explains with the same model waits until the first call is done,
+since its hooks would otherwise see the other call's pass. Threads with their own copies
+of the model run in parallel.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from camviz.core.errors import CamvizError
 from camviz.core.hooks import detach_to, edit
 from camviz.core.layers import default_target_layer, resolve_layers
 from camviz.core.maps import normalize, upsample
-from camviz.core.modelstate import eval_mode
+from camviz.core.modelstate import eval_mode, exclusive
 from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 
 Fuse = Literal["mean", "max"]
@@ -146,7 +151,8 @@ def layer_pass(
     that average over noisy or augmented inputs call it once per variant. The model must
     already be in the mode wanted (``explain`` puts it in eval mode).
     """
-    with torch.inference_mode(False):  # a caller's inference mode would stop the graph too
+    # A caller's inference mode would stop the graph too.
+    with exclusive(model), torch.inference_mode(False):
         return _layer_pass(model, inputs, layers, target, gradients, output_key)
 
 
@@ -243,13 +249,15 @@ def explain(
 
     Raises:
         CamvizError: A bad layer name, target, input shape or method name.
+
+    Two threads calling this with one model take turns (see the module docstring).
     """
     cam = get(method)(**options) if isinstance(method, str) else method
     if fuse not in ("mean", "max"):
         raise CamvizError(f"fuse must be 'mean' or 'max', not {fuse!r}")
     scales = _aug_scales(aug_smooth, target)
     inputs = _as_batch(inputs, model)
-    with eval_mode(model):
+    with exclusive(model), eval_mode(model):
         layers = _target_layers(model, inputs, layer)
         recorded = layer_pass(
             model, inputs, layers, target, gradients=cam.uses_gradients, output_key=output_key
