@@ -169,7 +169,9 @@ def manifest_rows():
     import json
 
     def read(out: Path) -> list[dict]:
-        return [json.loads(line) for line in (Path(out) / "manifest.jsonl").read_text().splitlines()]
+        return [
+            json.loads(line) for line in (Path(out) / "manifest.jsonl").read_text().splitlines()
+        ]
 
     return read
 

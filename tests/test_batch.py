@@ -20,13 +20,13 @@ from PIL import Image
 
 import camviz
 from camviz.cli import main
+from camviz.core.errors import CamvizError
+from camviz.io.images import load_image
 from camviz.pipeline.dataset import _Buckets, _Sample, explain_dataset
 from camviz.pipeline.distributed import Context, shard
-from camviz.core.errors import CamvizError
+from camviz.pipeline.inputs import expand
 from camviz.pipeline.job import save_heatmap
 from camviz.pipeline.manifest import written_files
-from camviz.io.images import load_image
-from camviz.pipeline.inputs import expand
 from camviz.pipeline.writer import Writer
 
 MODEL = "mobilenet_v3_small"

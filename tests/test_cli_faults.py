@@ -105,9 +105,12 @@ def fork(target) -> int:
         code = 70
         try:
             torch.set_num_threads(1)  # as DataLoader workers do after a fork
-            with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-                with contextlib.redirect_stderr(quiet):
-                    code = target()
+            with (
+                open(os.devnull, "w") as quiet,
+                contextlib.redirect_stdout(quiet),
+                contextlib.redirect_stderr(quiet),
+            ):
+                code = target()
         finally:
             os._exit(code)
     return pid
@@ -132,7 +135,10 @@ def test_a_second_job_into_a_held_folder_stops_and_touches_nothing(run, photos, 
     assert status == 1
     assert (out / ".0_overlay.png.0123456789ab.tmp").exists()  # not cleaned away
     after = {path.name: path.stat().st_mtime_ns for path in out.iterdir()}
-    assert after == {**before, ".0_overlay.png.0123456789ab.tmp": after[".0_overlay.png.0123456789ab.tmp"]}
+    assert after == {
+        **before,
+        ".0_overlay.png.0123456789ab.tmp": after[".0_overlay.png.0123456789ab.tmp"],
+    }
 
 
 def test_two_jobs_started_together_one_runs_the_other_refuses(run, photos, tmp_path):
@@ -299,9 +305,7 @@ def small_disk(folder: Path):
         signal.signal(signal.SIGXFSZ, handler)
 
 
-def test_a_disk_that_fills_up_gives_one_line_clean_files_and_resumes(
-    run, make_photos, tmp_path
-):
+def test_a_disk_that_fills_up_gives_one_line_clean_files_and_resumes(run, make_photos, tmp_path):
     sizes = {f"{n}.png": (96, 72) for n in range(12)}
     photos = make_photos(tmp_path / "photos", sizes)
     out = tmp_path / "disk" / "out"
@@ -317,7 +321,7 @@ def test_a_disk_that_fills_up_gives_one_line_clean_files_and_resumes(
                     with Image.open(out / name) as image:
                         image.load()
         make_room()
-        status, printed, error = run(*photos, out=out, extra=("--batch-size", "2"))
+        status, _, error = run(*photos, out=out, extra=("--batch-size", "2"))
         assert status == 0, error
         assert_complete(out, len(photos))
 
@@ -369,8 +373,13 @@ def test_a_non_finite_result_is_an_error_row_and_manifests_are_strict_json(tmp_p
 def test_a_checkpoint_of_nan_weights_is_refused_in_one_line(run, photos, tmp_path, tiny_mobilenet):
     weights = tmp_path / "nan.pt"
     state = torch.load(tiny_mobilenet, weights_only=True)
-    torch.save({key: value * torch.nan if value.is_floating_point() else value
-                for key, value in state.items()}, weights)
+    torch.save(
+        {
+            key: value * torch.nan if value.is_floating_point() else value
+            for key, value in state.items()
+        },
+        weights,
+    )
     status, _, error = run(photos[0], out=tmp_path / "out", extra=("--weights", str(weights)))
     assert status == 1
     one_line_error(error, "not finite")
@@ -387,11 +396,13 @@ def test_a_link_to_a_fifo_is_skipped_with_a_row(run, photos, tmp_path):
     link.symlink_to(fifo)
     out = tmp_path / "out"
     with watchdog(60):
-        status, printed, error = run(photos[0], link, tmp_path / "photos", out=out)
+        status, _, error = run(photos[0], link, tmp_path / "photos", out=out)
     assert status == 0
     rows = assert_complete(out, len(photos) + 1)
     (skipped,) = [row for row in rows if row["status"] == "error"]
-    assert skipped["input"].endswith("link.png") and "not a regular file (a FIFO)" in skipped["reason"]
+    assert (
+        skipped["input"].endswith("link.png") and "not a regular file (a FIFO)" in skipped["reason"]
+    )
     assert error.count("\n") == 1 and "not a regular file" in error
 
 
@@ -419,7 +430,13 @@ def test_compare_neutralises_formulas_names_images_apart_and_checks_out_first(
     tmp_path, make_photos, tiny_mobilenet, capsys
 ):
     assert [spreadsheet_safe(value) for value in ("=1+2", "+a", "-b", "@c", "\tx", "ok", -0.5)] == [
-        "'=1+2", "'+a", "'-b", "'@c", "'\tx", "ok", -0.5
+        "'=1+2",
+        "'+a",
+        "'-b",
+        "'@c",
+        "'\tx",
+        "ok",
+        -0.5,
     ]
     folder = tmp_path / "images"
     paths = make_photos(
@@ -437,7 +454,11 @@ def test_compare_neutralises_formulas_names_images_apart_and_checks_out_first(
     out = tmp_path / "out"
     assert main(["compare", *map(str, paths), *model, "--out", str(out)]) == 0
     lines = (out / "metrics.csv").read_text().splitlines()
-    assert [line.split(",")[0] for line in lines[1:]] == ["a/x.png", "b/x.png", "'=HYPERLINK(1).png"]
+    assert [line.split(",")[0] for line in lines[1:]] == [
+        "a/x.png",
+        "b/x.png",
+        "'=HYPERLINK(1).png",
+    ]
 
 
 # --- 10. Rerun with fewer inputs ---------------------------------------------------------------
@@ -588,4 +609,3 @@ def test_features_tiles_are_readable(tmp_path, tiny_mobilenet, photos, capsys):
     with Image.open(out / "features.12_grid.png") as grid:
         # 4 channels of 7 x 10 at 224 x 298: each drawn 10 times larger, 2 x 2 tiles.
         assert grid.size == (2 * 100 + 3, 2 * 70 + 3)
-

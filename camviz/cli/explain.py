@@ -25,8 +25,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(image | heatmap | overlay), one row per image in manifest.jsonl and a summary in "
         "manifest.json. Unreadable inputs are skipped and listed. Running again with the same "
         "--out resumes; one run at a time may use an output folder, and the files camviz "
-        "wrote are never taken as inputs. Under torchrun (torchrun --nproc_per_node=N -m camviz explain ...) "
-        "the processes share the inputs.",
+        "wrote are never taken as inputs. Under torchrun (torchrun --nproc_per_node=N -m "
+        "camviz explain ...) the processes share the inputs.",
     )
     parser.add_argument(
         "inputs",

@@ -43,11 +43,11 @@ from PIL import Image
 from camviz.cams.engine import explain
 from camviz.cams.registry import get
 from camviz.core.errors import CamvizError
-from camviz.io.images import load_image
+from camviz.core.targets import as_logits
 from camviz.evaluation.metrics import confidence, deletion, insertion, win_rate
+from camviz.io.images import load_image
 from camviz.io.models import LoadedModel
 from camviz.io.render import atomic_write, overlay
-from camviz.core.targets import as_logits
 
 REPORT = "report.html"
 METRICS = "metrics.csv"

@@ -36,11 +36,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from camviz.cams.engine import explain
 from camviz.core.errors import CamvizError, first_line
-from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
-from camviz.pipeline.inputs import Item, expand, not_a_regular_file
-from camviz.io.models import LoadedModel
 from camviz.core.targets import Target, as_logits
+from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
+from camviz.io.models import LoadedModel
 from camviz.io.video import FrameReader
+from camviz.pipeline.inputs import Item, expand, not_a_regular_file
 
 #: How many predictions each result keeps, best first.
 TOP_PREDICTIONS = 5

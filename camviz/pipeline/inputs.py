@@ -331,9 +331,7 @@ def _clashing(names: Sequence[str], videos: Sequence[bool]) -> set[int]:
     keys = [name.casefold() for name in names]
     counts = Counter(zip(keys, videos, strict=True))
     frame_folders = {key + "_frames/": index for index, key in enumerate(keys) if videos[index]}
-    clashing = {
-        index for index, key in enumerate(keys) if counts[key, videos[index]] > 1
-    }
+    clashing = {index for index, key in enumerate(keys) if counts[key, videos[index]] > 1}
     for index, key in enumerate(keys):
         if videos[index] or "_frames/" not in key:
             continue

@@ -69,16 +69,16 @@ import numpy as np
 import torch
 from PIL import Image
 
-from camviz.pipeline import distributed, lock, manifest
 from camviz.cams import get as get_method
-from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
 from camviz.core.errors import CamvizError
+from camviz.core.targets import Target
 from camviz.io.images import PathLike
-from camviz.pipeline.inputs import NAME_MAX, Item, expand
 from camviz.io.models import LoadedModel
 from camviz.io.render import atomic_write, overlay, panel, save
-from camviz.core.targets import Target
 from camviz.io.video import frame_rate, write_video
+from camviz.pipeline import distributed, lock, manifest
+from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
+from camviz.pipeline.inputs import NAME_MAX, Item, expand
 
 #: The run's summary: settings, and every row once the run is complete.
 MANIFEST = manifest.SUMMARY
@@ -500,7 +500,9 @@ def _finish(
     current = {name for row in explained for name in row["files"]}
     current.update(video["file"] for video in videos)
     earlier = [name for row in others for name in row.get("files", [])]
-    earlier += [video.get("file") for video in previous.get("videos", []) if isinstance(video, dict)]
+    earlier += [
+        video.get("file") for video in previous.get("videos", []) if isinstance(video, dict)
+    ]
     earlier += previous.get("other_files", [])
     _write_manifest(
         out,

@@ -27,8 +27,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from camviz.pipeline.inputs import item_key
 from camviz.io.render import atomic_write
+from camviz.pipeline.inputs import item_key
 
 #: The merged row log, one JSON object per line.
 ROWS = "manifest.jsonl"
