@@ -123,6 +123,7 @@ def default_target_layer(model: nn.Module, inputs: torch.Tensor) -> str:
             if _is_attention(module):
                 hooks.add(module.register_forward_pre_hook(before_attention))
         model(inputs[:1])
+    found: str | None
     if kinds and kinds[-1] == "tokens":
         found = attention_inputs[-1] if attention_inputs else tokens[-1]
     else:

@@ -32,7 +32,7 @@ import io
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,7 +121,7 @@ class Comparison:
                 for method in self.methods
             }
         )
-        rows = []
+        rows: list[dict[str, float | str]] = []
         for method in self.methods:
             cells = [cell for cell in self.cells if cell.method == method]
             rows.append(
@@ -203,15 +203,14 @@ def compare(
                 progress(f"{label}: {name} ({seconds[-1]:.2f} s)")
         maps = torch.stack(heatmaps)
         batch = inputs.expand(len(names), -1, -1, -1)
-        options = {"target": class_id, "batch_size": batch_size}
         measuring.set_description(f"{label}: deletion")
-        deleted = deletion(model, batch, maps, steps=steps, **options)
+        deleted = deletion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
         measuring.update(1)
         measuring.set_description(f"{label}: insertion")
-        inserted = insertion(model, batch, maps, steps=steps, **options)
+        inserted = insertion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
         measuring.update(1)
         measuring.set_description(f"{label}: confidence")
-        confidences = confidence(model, batch, maps, **options)
+        confidences = confidence(model, batch, maps, class_id, batch_size=batch_size)
         measuring.update(1)
         small = _thumbnail(image, thumbnail)
         thumbnails.append(small)
@@ -513,6 +512,6 @@ def _class_name(loaded: LoadedModel, class_id: int) -> str:
     return f"class {class_id}"
 
 
-def _mean(values: object) -> float:
-    values = list(values)
-    return sum(values) / len(values)
+def _mean(values: Iterable[float]) -> float:
+    listed = list(values)
+    return sum(listed) / len(listed)

@@ -120,7 +120,7 @@ class FrameReader:
         while position < index and capture.grab():
             position += 1
         ok, frame = capture.read() if position == index else (False, None)
-        if not ok:
+        if not ok or frame is None:
             capture.release()
             raise CamvizError(f"cannot read frame {index} of {path}; the video may be truncated")
         self._open[path] = (capture, index + 1)

@@ -335,6 +335,7 @@ class _Job:
         item = self.items[result.index]
         ranks = len(result.explained)
         explained = []
+        assert result.heatmaps is not None and self.log is not None  # an explained image
         for rank, (prediction, heatmap) in enumerate(
             zip(result.explained, result.heatmaps, strict=True)
         ):
@@ -353,10 +354,13 @@ class _Job:
     ) -> dict[str, str]:
         files = {}
         alpha, colormap = self.render.alpha, self.render.colormap
+        image = result.image  # kept whenever an overlay or a panel is drawn
         if self.outputs.overlay:
+            assert image is not None
             files["overlay"] = f"{stem}_overlay.png"
-            _save_png(overlay(result.image, heatmap, alpha, colormap), self.out / files["overlay"])
+            _save_png(overlay(image, heatmap, alpha, colormap), self.out / files["overlay"])
         if self.outputs.panel and item.frame is None:
+            assert image is not None
             files["panel"] = f"{stem}_panel.png"
             shown = (
                 f"p={prediction.probability:.2f}"
@@ -366,7 +370,7 @@ class _Job:
             layers = ", ".join(result.layers)
             title = f"{prediction.name}: {shown} ({result.method}, layer {layers})"
             with _FIGURES:
-                figure = panel(result.image, heatmap, title=title, alpha=alpha, colormap=colormap)
+                figure = panel(image, heatmap, title=title, alpha=alpha, colormap=colormap)
                 save(figure, self.out / files["panel"])
         if self.outputs.heatmap is not None:
             suffix = ".npz" if self.outputs.heatmap == "npz" else ".png"
