@@ -200,7 +200,8 @@ def compare(
                 torch.cuda.synchronize(device)
             seconds.append(time.perf_counter() - started)
             if progress is not None:
-                progress(f"{label}: {name} ({seconds[-1]:.2f} s)")
+                with measuring.external_write_mode(file=sys.stderr):  # the line above the bar
+                    progress(f"{label}: {name} ({seconds[-1]:.2f} s)")
         maps = torch.stack(heatmaps)
         batch = inputs.expand(len(names), -1, -1, -1)
         measuring.set_description(f"{label}: deletion")

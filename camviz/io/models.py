@@ -450,11 +450,12 @@ def _read_checkpoint(path: Path) -> Any:
     except pickle.UnpicklingError as error:
         # torch names what the file would have run or built: "GLOBAL posix.system".
         pickled = re.search(r"GLOBAL (\S+)", str(error))
-        what = f" (it pickles {pickled.group(1)})" if pickled else ""
+        if pickled is None:  # not a pickle at all
+            raise CamvizError(_not_a_checkpoint(path, error)) from None
         raise CamvizError(
-            f"{path} is not a plain state_dict{what}; camviz loads weights only, for safety "
-            "(unpickling anything else can run code), so save one with "
-            "torch.save(model.state_dict(), PATH)"
+            f"{path} is not a plain state_dict (it pickles {pickled.group(1)}); camviz loads "
+            "weights only, for safety (unpickling anything else can run code), so save one "
+            "with torch.save(model.state_dict(), PATH)"
         ) from None
     except PermissionError:
         raise CamvizError(f"cannot read {path}: permission denied; check its permissions") from None

@@ -145,11 +145,11 @@ def expand(
     found: dict[str, _File] = {}
     for source in inputs:
         for file in _expand_one(os.fspath(source), every, lists=True):
-            if os.path.realpath(file.path) not in written:
+            if not written or os.path.realpath(file.path) not in written:
                 found.setdefault(os.path.normpath(file.path), file)
     files = list(found.values())
     names = _unique_names(files, max_name_bytes)
-    if output_folder is not None:
+    if output_folder is not None and os.path.isdir(output_folder):  # else nothing is in it
         kept = _not_outputs(files, names, output_folder)
         if len(kept) < len(files):
             files = kept
