@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -165,7 +165,7 @@ class _Prepared(Dataset):
         self.keep_images = keep_images
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(cast(Sized, self.dataset))
 
     def __getitem__(self, index: int) -> _Sample:
         started = time.perf_counter()
@@ -272,8 +272,8 @@ def explain_dataset(
         if not items:
             raise CamvizError("no image or video found in the inputs; check the paths")
         data = ItemDataset(items, max_pixels=max_pixels)
-    items = data.items if isinstance(data, ItemDataset) else None
-    order = list(range(len(data))) if indices is None else list(indices)
+    known = data.items if isinstance(data, ItemDataset) else None
+    order = list(range(len(cast(Sized, data)))) if indices is None else list(indices)
     explainer = _BatchExplainer(network, categories, method, layer, target, options)
     loader = DataLoader(
         _Prepared(data, preprocess, keep_images),
@@ -282,7 +282,7 @@ def explain_dataset(
         num_workers=workers,
         collate_fn=list,
     )
-    return _explained(loader, explainer, items, batch_size, len(order), progress)
+    return _explained(loader, explainer, known, batch_size, len(order), progress)
 
 
 def _explained(
@@ -321,8 +321,9 @@ def _explained(
     finally:
         bar.close()
         del batches  # shuts the workers down, also when the consumer stops early
-        if isinstance(loader.dataset.dataset, ItemDataset):
-            loader.dataset.dataset.close()
+        prepared = loader.dataset
+        if isinstance(prepared, _Prepared) and isinstance(prepared.dataset, ItemDataset):
+            prepared.dataset.close()
 
 
 class _Buckets:
@@ -336,6 +337,7 @@ class _Buckets:
 
     def add(self, sample: _Sample) -> list[_Sample]:
         """Add ``sample``; returns a batch that is ready (full, or needed to free memory)."""
+        assert sample.inputs is not None  # only decoded samples wait for a batch
         shape = tuple(sample.inputs.shape)
         self.by_shape.setdefault(shape, []).append(sample)
         self.waiting += 1
@@ -382,7 +384,7 @@ class _BatchExplainer:
         try:
             explanation = explain(
                 self.network,
-                torch.stack([sample.inputs for sample in samples]),
+                torch.stack([cast(torch.Tensor, sample.inputs) for sample in samples]),
                 self.method,
                 self.layer,
                 self.target,
@@ -403,7 +405,7 @@ class _BatchExplainer:
     ) -> list[ImageResult]:
         logits = as_logits(explanation.output, self.options.get("output_key")).detach().float()
         table = logits.dim() == 2  # (N, classes): probabilities and a top list make sense
-        probabilities = logits.softmax(-1).cpu() if table else None
+        probabilities = logits.softmax(-1).cpu()  # read only for a score table
         if table:
             best = probabilities.topk(min(TOP_PREDICTIONS, logits.shape[-1]), dim=-1)
             top_ids, top_probabilities = best.indices.tolist(), best.values.tolist()
