@@ -146,7 +146,8 @@ def explain_files(
 
     Args:
         inputs: Files, folders, glob patterns, ``.txt`` path lists, videos.
-        out_dir: Folder for the results; created once the first image is explained.
+        out_dir: Folder for the results; created (to hold its lock) when the job starts, and
+            removed again if the job fails before writing anything into it.
         loaded: A model from :func:`camviz.models.load` (model, preprocessing, class names),
             on the device it should run on.
         method: A CAM method name (``camviz methods`` lists them).
@@ -161,11 +162,13 @@ def explain_files(
         progress: A progress bar on stderr: ``True``, ``False``, or ``None`` (on a terminal).
 
     Returns:
-        The manifest, as written to ``out_dir/manifest.json``.
+        The summary, as written to ``out_dir/manifest.json`` (settings, counts, failures,
+        videos, other files); the rows of every input are in ``out_dir/manifest.jsonl``.
 
     Raises:
-        CamvizError: No input can be explained, the output folder is unusable or holds
-            another run's results, or a bad method, layer or target.
+        CamvizError: No input can be explained, the output folder is unusable, in use by
+            another job or holds another run's results, a write fails (a full disk), or a
+            bad method, layer or target.
     """
     out = Path(out_dir)
     method = get_method(method).name  # an unknown name fails before any work
