@@ -100,6 +100,7 @@ def test_cam_is_gradcam_on_a_timm_model_whose_classifier_it_finds(offline_model)
     torch.testing.assert_close(cam.layer_maps, gradcam.layer_maps, atol=1e-5, rtol=0)
 
 
+@pytest.mark.peers
 def test_cam_matches_torchcam(resnet18, small_batch):
     from torchcam.methods import CAM
 
@@ -161,6 +162,7 @@ def test_fem_equals_its_formula():
     torch.testing.assert_close(lower, (a[:, 0] + 2 * a[:, 1] + 2 * a[:, 2]) / 6)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize("layer", ["layer3", "layer2"])
 def test_fem_matches_pytorch_grad_cam(resnet18, small_batch, layer):
     from pytorch_grad_cam import FEM
@@ -204,6 +206,7 @@ def test_kpcacam_equals_kernel_pca_written_out(kernel):
     torch.testing.assert_close(result, kernel_pca(features, kernel, 0.7), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize("kernel", ["sigmoid", "rbf"])
 def test_kpcacam_matches_pytorch_grad_cam_up_to_its_sign(resnet18, small_batch, kernel):
     from pytorch_grad_cam.utils.svd_on_activations import get_2d_projection_kernel

@@ -436,6 +436,7 @@ def renormalised(result) -> torch.Tensor:
     return minmax(result.heatmaps)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize("layer", ["layer4", "layer3"])
 @pytest.mark.parametrize(
     ("method", "peer"),
@@ -458,6 +459,7 @@ def test_matches_pytorch_grad_cam(resnet18, small_batch, method, peer, layer):
     torch.testing.assert_close(renormalised(ours), theirs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.peers
 def test_gradcam_pp_matches_pytorch_grad_cam_up_to_its_epsilon(resnet18, small_batch):
     from pytorch_grad_cam import GradCAMPlusPlus
 
@@ -472,6 +474,7 @@ def test_gradcam_pp_matches_pytorch_grad_cam_up_to_its_epsilon(resnet18, small_b
     torch.testing.assert_close(renormalised(ours), theirs, atol=1e-4, rtol=0)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize(
     ("method", "peer"), [("eigencam", "EigenCAM"), ("eigen_gradcam", "EigenGradCAM")]
 )
@@ -503,6 +506,7 @@ def test_eigen_methods_match_pytorch_grad_cam_up_to_its_random_sign(
         torch.testing.assert_close(sign * projection, theirs_raw[sample], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.peers
 def test_fullgrad_matches_pytorch_grad_cam(resnet18, small_batch):
     from pytorch_grad_cam import FullGrad
 
@@ -512,6 +516,7 @@ def test_fullgrad_matches_pytorch_grad_cam(resnet18, small_batch):
     torch.testing.assert_close(renormalised(ours), theirs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.peers
 def test_guided_backprop_matches_pytorch_grad_cam(resnet18, small_batch):
     from pytorch_grad_cam import GuidedBackpropReLUModel
 
@@ -530,6 +535,7 @@ def test_guided_backprop_matches_pytorch_grad_cam(resnet18, small_batch):
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize(("method", "peer"), [("xgradcam", "XGradCAM"), ("layercam", "LayerCAM")])
 @pytest.mark.parametrize("layer", ["layer4", "layer3"])
 def test_matches_torchcam(resnet18, small_batch, method, peer, layer):
@@ -543,6 +549,7 @@ def test_matches_torchcam(resnet18, small_batch, method, peer, layer):
     torch.testing.assert_close(ours.layer_maps, theirs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.peers
 def test_torchcam_gradcam_pp_leaves_alpha_at_g_squared(resnet18, small_batch):
     from torchcam.methods import GradCAMpp
 
@@ -563,6 +570,7 @@ def test_torchcam_gradcam_pp_leaves_alpha_at_g_squared(resnet18, small_batch):
     assert (ours.layer_maps - theirs).abs().max() > 0.1
 
 
+@pytest.mark.peers
 def test_smooth_gradcam_pp_matches_torchcam_as_the_noise_vanishes(resnet18, small_batch):
     from torchcam.methods import SmoothGradCAMpp
 
@@ -595,6 +603,7 @@ def test_correct_on_a_layer_whose_output_is_changed_in_place(resnet18, small_bat
     torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.peers
 def test_pytorch_grad_cam_reads_the_overwritten_bn2_output(resnet18, small_batch):
     from pytorch_grad_cam import LayerCAM
 
@@ -717,6 +726,7 @@ def as_peer_map(raw: torch.Tensor, size) -> torch.Tensor:
     return minmax(upsample(normalize(torch.relu(raw)), size))
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize(
     ("method", "peer", "layer"),
     [("gradcam", "GradCAM", "layer4"), ("layercam", "LayerCAM", "layer3")],
@@ -777,6 +787,7 @@ def test_segeigencam_equals_the_paper_formula(tiny_inputs):
     torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize("layer", ["layer4", "layer3"])
 def test_segeigencam_matches_pytorch_grad_cam(resnet18, small_batch, layer):
     from pytorch_grad_cam import SegEigenCAM
@@ -810,6 +821,7 @@ def test_shapleycam_is_gradcam_where_the_later_layers_are_piecewise_linear(tiny_
     torch.testing.assert_close(shapley.layer_maps, gradcam.layer_maps)
 
 
+@pytest.mark.peers
 def test_shapleycam_matches_pytorch_grad_cam(tiny_inputs, untouched):
     from pytorch_grad_cam import ShapleyCAM
 

@@ -18,10 +18,13 @@ from camviz.cams import (  # noqa: F401 - importing a method module registers it
     hirescam,
     kpcacam,
     layercam,
+    legrad,
     randomcam,
     scorecam,
     segeigencam,
+    sess,
     shapleycam,
+    wrappers,
     xgradcam,
 )
 from camviz.cams.base import CamMethod, ChannelMapMethod, LayerData

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from camviz.cams.base import LayerData, required
+from camviz.cams.base import LayerData
 from camviz.cams.perturbation import PerturbationMethod, rank_scores
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
@@ -78,7 +78,8 @@ class AblationCAM(PerturbationMethod):
             ablated = self.ablated_scores(ranks)
         maps = []
         for data, scores in zip(ranks, ablated, strict=True):
-            original = required(data.scores, "scores").unsqueeze(1)
+            assert data.scores is not None  # the engine scores every rank
+            original = data.scores.unsqueeze(1)
             drop = original - scores
             weights = torch.where(original != 0, drop / original, drop)
             maps.append(self.weighted_map(weights, activations))
@@ -131,8 +132,9 @@ def _ablated_pass(
     single = data.inputs[sample : sample + 1]
     inputs = single if broadcast else single.repeat(len(channels), *[1] * (single.dim() - 1))
     rows = (channels >= 0).nonzero()[:, 0]
+    assert data.layout is not None  # checked by AblationCAM.ablated_scores
     # Channels are dim 1 of (N, C, h, w) and the last dim of channels-last and token layouts.
-    last = required(data.layout, "layout").channel_dim != 1
+    last = data.layout.channel_dim != 1
     index = (rows, ..., channels[rows]) if last else (rows, channels[rows])
 
     def ablate(output: torch.Tensor) -> torch.Tensor:
@@ -155,7 +157,8 @@ def _checked_broadcast(
         scores = _ablated_pass(data, ranks, sample, with_check, broadcast=True)
     except _BROADCAST_FAILURES as error:
         return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
-    check, expected = scores[0, 0], required(data.scores, "scores")[sample]
+    assert data.scores is not None  # checked by AblationCAM.ablated_scores
+    check, expected = scores[0, 0], data.scores[sample]
     if not torch.isclose(check, expected, rtol=1e-3, atol=1e-4 * max(1.0, abs(float(expected)))):
         return None, f"the unablated copy scored {float(check):.6g}, not {float(expected):.6g}"
     return scores[:, 1:], ""

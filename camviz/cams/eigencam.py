@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import CamMethod, LayerData, required
+from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.projection import first_principal_component
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
@@ -83,4 +83,4 @@ class EigenGradCAM(EigenCAM):
     uses_gradients = True
 
     def features(self, data: LayerData) -> torch.Tensor:
-        return required(data.gradients, "gradients") * data.activations
+        return data.dy_da * data.activations

@@ -15,10 +15,16 @@ with respect to ``A`` applied to ``A``. Only the graph after the layer is walked
 
 Whatever happens, the model comes back as it was: hooks removed, every module's train/eval
 flag restored, ``requires_grad`` and ``.grad`` never touched.
+
+**Threads.** Calls on one model are serialised (:func:`camviz.core.modelstate.exclusive`):
+a second thread that explains with the same model waits until the first call is done,
+since its hooks would otherwise see the other call's pass. Threads with their own copies
+of the model run in parallel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -35,13 +41,13 @@ from camviz.core.errors import CamvizError
 from camviz.core.hooks import detach_to, edit
 from camviz.core.layers import Layer, default_target_layer, resolve_layers
 from camviz.core.maps import normalize, upsample
-from camviz.core.modelstate import eval_mode
+from camviz.core.modelstate import eval_mode, exclusive
 from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 
-Fuse = Literal["mean", "max"]
+Fuse = Literal["mean", "max", "product"]
 
 # as_spatial is re-exported: methods that run their own layer passes use it.
-__all__ = ["Explanation", "LayerPass", "as_spatial", "explain", "layer_pass"]
+__all__ = ["Explanation", "LayerPass", "as_spatial", "explain", "layer_data", "layer_pass"]
 
 DEFAULT_AUG_SCALES = (1.0, 0.9, 1.1)
 
@@ -145,7 +151,8 @@ def layer_pass(
     already be in the mode wanted (``explain`` puts it in eval mode). ``hessian=True`` (with
     ``gradients``) also records ``H A`` at each layer (see the module docstring).
     """
-    with torch.inference_mode(False):  # a caller's inference mode would stop the graph too
+    # A caller's inference mode would stop the graph too.
+    with exclusive(model), torch.inference_mode(False):
         return _layer_pass(model, inputs, layers, target, gradients, output_key, hessian)
 
 
@@ -161,7 +168,8 @@ def _layer_pass(
     taps = {name: _Tap(name, gradients) for name in layers}
     with edit(model, taps), torch.no_grad():
         output = model(inputs)
-    activations: dict[str, torch.Tensor] = {}
+    activations = {}
+    deltas = []  # one per layer when gradients are asked for (the strict zip below checks)
     for tap in taps.values():
         if tap.activation is None:
             raise CamvizError(
@@ -169,6 +177,8 @@ def _layer_pass(
                 "model uses (`camviz layers` lists them with shapes)"
             )
         activations[tap.name] = tap.activation
+        if tap.delta is not None:
+            deltas.append(tap.delta)
     fns, ids = score_fns(target, output, output_key)
     per_rank: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if gradients else {}
     hessian = hessian and gradients
@@ -186,7 +196,6 @@ def _layer_pass(
                     f"the explained score does not depend on layer(s) {', '.join(layers)}; "
                     "pick a layer before the model's output"
                 )
-            deltas = [delta for name in layers if (delta := taps[name].delta) is not None]
             grads = torch.autograd.grad(
                 score.sum(),
                 deltas,
@@ -233,7 +242,7 @@ def explain(
     target: Target = None,
     *,
     output_key: str | int | None = None,
-    fuse: Fuse = "mean",
+    fuse: Fuse | None = None,
     aug_smooth: bool | Sequence[float] = False,
     **options: Any,
 ) -> Explanation:
@@ -253,9 +262,10 @@ def explain(
             for top-1, ``"top3"``, :class:`~camviz.core.targets.Region`,
             :class:`~camviz.core.targets.Contrast`, or a callable ``output -> (N,) scores``).
         output_key: For models whose output is a tuple or dict: where the logits are.
-        fuse: How maps of several layers combine (``"mean"`` or ``"max"``): each layer's
-            normalised map is upsampled to the input size, then the mean or the pixel-wise
-            maximum is taken and normalised again.
+        fuse: How maps of several layers combine (``"mean"``, ``"max"`` or ``"product"``):
+            each layer's normalised map is upsampled to the input size, then the mean, the
+            pixel-wise maximum or the product is taken and normalised again. ``None``: the
+            method's own rule (``refinecam`` multiplies), else the mean.
         aug_smooth: Test-time augmentation, for any method: the batch is also explained
             horizontally flipped and rescaled, each map is flipped back and resized to the
             input, and the maps are averaged (then normalised). ``True`` uses the scales
@@ -272,6 +282,8 @@ def explain(
 
     Raises:
         CamvizError: A bad layer name, target, input shape or method name.
+
+    Two threads calling this with one model take turns (see the module docstring).
     """
     if isinstance(method, str):
         cam = create(method, **options)
@@ -282,11 +294,11 @@ def explain(
         )
     else:
         cam = method
-    if fuse not in ("mean", "max"):
-        raise CamvizError(f"fuse must be 'mean' or 'max', not {fuse!r}")
+    fuse = _fusion(cam, fuse)
+    target = cam.explained_target(target)
     scales = _aug_scales(aug_smooth, target)
     inputs = as_batch(inputs, model)
-    with eval_mode(model):
+    with exclusive(model), eval_mode(model):
         layers = _target_layers(model, inputs, layer)
         recorded = layer_pass(
             model,
@@ -303,14 +315,20 @@ def explain(
         }
         if scales:
             # Augmented passes explain the classes chosen here, even if augmentation flips them.
-            fixed: Target = recorded.class_ids
-            if fixed is None or isinstance(target, Contrast):
+            chosen = recorded.class_ids
+            fixed: Target = chosen
+            if chosen is None:
                 fixed = target
+            elif isinstance(target, Contrast):
+                fixed = dataclasses.replace(target, a=chosen[:, 0])
             maps_by_layer, full_size = _aug_smoothed(
                 cam, model, inputs, layers, fixed, output_key, scales, maps_by_layer, full_size
             )
-    upsampled = list(full_size.values())
-    fused = torch.stack(upsampled).amax(0) if fuse == "max" else torch.stack(upsampled).mean(0)
+    stacked = torch.stack(list(full_size.values()))
+    if fuse == "product":
+        fused = stacked.prod(0)
+    else:
+        fused = stacked.amax(0) if fuse == "max" else stacked.mean(0)
     batch, ranks = recorded.scores.shape
     ids = recorded.class_ids
     return Explanation(
@@ -326,44 +344,69 @@ def explain(
     )
 
 
+def layer_data(
+    model: nn.Module, inputs: torch.Tensor, recorded: LayerPass, name: str
+) -> list[LayerData]:
+    """What a method gets for layer ``name`` of a recorded pass: one :class:`LayerData` per
+    rank, activations and gradients in their ``(N, C, h, w)`` view.
+
+    Raises:
+        CamvizError: The layer folds windows or heads into the batch.
+    """
+    output = recorded.activations[name]
+    if output.shape[0] != inputs.shape[0]:
+        raise CamvizError(
+            f"layer {name!r} outputs a batch of {output.shape[0]} for {inputs.shape[0]} "
+            "inputs (windows or heads folded into the batch); pick a layer whose output "
+            "keeps one row per input"
+        )
+    patch = patch_size(model) if output.dim() == 3 else None
+    layout = layout_of(output.shape, name, inputs.shape[-2:], patch)
+    activations = layout.to_spatial(output)
+    ranks = []
+    for rank, score_fn in enumerate(recorded.score_fns):
+        gradients = recorded.gradients[name][rank] if recorded.gradients else None
+        product = recorded.hessian_products[name][rank] if recorded.hessian_products else None
+        ranks.append(
+            LayerData(
+                layer=name,
+                activations=activations,
+                gradients=None if gradients is None else layout.to_spatial(gradients),
+                model=model,
+                inputs=inputs,
+                score=score_fn,
+                class_ids=None if recorded.class_ids is None else recorded.class_ids[:, rank],
+                scores=recorded.scores[:, rank],
+                layout=layout,
+                hessian_products=None if product is None else layout.to_spatial(product),
+            )
+        )
+    return ranks
+
+
 def _layer_maps(
     cam: CamMethod, model: nn.Module, inputs: torch.Tensor, recorded: LayerPass
 ) -> dict[str, torch.Tensor]:
     """Each layer's ``(N * K, h, w)`` maps, sample-major, after ReLU and normalisation."""
     maps_by_layer = {}
-    for name, output in recorded.activations.items():
-        if output.shape[0] != inputs.shape[0]:
-            raise CamvizError(
-                f"layer {name!r} outputs a batch of {output.shape[0]} for {inputs.shape[0]} "
-                "inputs (windows or heads folded into the batch); pick a layer whose output "
-                "keeps one row per input"
-            )
-        patch = patch_size(model) if output.dim() == 3 else None
-        layout = layout_of(output.shape, name, inputs.shape[-2:], patch)
-        activations = layout.to_spatial(output)
-        ranks = []
-        for rank, score_fn in enumerate(recorded.score_fns):
-            gradients = recorded.gradients[name][rank] if recorded.gradients else None
-            product = recorded.hessian_products[name][rank] if recorded.hessian_products else None
-            ranks.append(
-                LayerData(
-                    layer=name,
-                    activations=activations,
-                    gradients=None if gradients is None else layout.to_spatial(gradients),
-                    model=model,
-                    inputs=inputs,
-                    score=score_fn,
-                    class_ids=None if recorded.class_ids is None else recorded.class_ids[:, rank],
-                    scores=recorded.scores[:, rank],
-                    layout=layout,
-                    hessian_products=None if product is None else layout.to_spatial(product),
-                )
-            )
+    for name in recorded.activations:
+        ranks = layer_data(model, inputs, recorded, name)
         with torch.no_grad():
             per_rank = cam.rank_maps(ranks)
         maps = torch.stack(per_rank, dim=1).flatten(0, 1)
         maps_by_layer[name] = normalize(torch.relu(maps))
     return maps_by_layer
+
+
+def _fusion(cam: CamMethod, fuse: Fuse | None) -> Fuse:
+    """The layer fusion to use: the caller's, else the method's own, else the mean."""
+    if fuse is not None and fuse not in ("mean", "max", "product"):
+        raise CamvizError(f"fuse must be 'mean', 'max' or 'product', not {fuse!r}")
+    if cam.fuse is not None and fuse not in (None, cam.fuse):
+        raise CamvizError(
+            f"{cam.name} combines layers by {cam.fuse!r}; leave fuse= unset (got {fuse!r})"
+        )
+    return fuse or cam.fuse or "mean"
 
 
 def _aug_scales(aug_smooth: bool | Sequence[float], target: Target) -> tuple[float, ...]:

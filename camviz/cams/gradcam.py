@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import ChannelMapMethod, LayerData, required
+from camviz.cams.base import ChannelMapMethod, LayerData
 from camviz.cams.registry import register
 
 
@@ -33,6 +33,4 @@ class GradCAM(ChannelMapMethod):
     )
 
     def weighted_activations(self, data: LayerData) -> torch.Tensor:
-        return (
-            required(data.gradients, "gradients").mean(dim=(2, 3), keepdim=True) * data.activations
-        )
+        return data.dy_da.mean(dim=(2, 3), keepdim=True) * data.activations

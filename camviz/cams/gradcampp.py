@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import ChannelMapMethod, LayerData, required
+from camviz.cams.base import ChannelMapMethod, LayerData
 from camviz.cams.engine import layer_pass
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
@@ -69,7 +69,7 @@ class GradCAMPlusPlus(ChannelMapMethod):
     )
 
     def weighted_activations(self, data: LayerData) -> torch.Tensor:
-        gradients = required(data.gradients, "gradients")
+        gradients = data.dy_da
         squared = gradients.square()
         weights = plusplus_weights(data.activations, gradients, squared, squared * gradients)
         return weights * data.activations
@@ -141,6 +141,7 @@ class SmoothGradCAMPlusPlus(ChannelMapMethod):
         low, high = inputs.flatten(1).aminmax(dim=1)
         sigma = (self.noise * (high - low)).view(-1, 1, 1, 1)
         moments = data.activations.new_zeros(3, *data.activations.shape)
+        assert data.layout is not None  # the engine gives every layer its layout
         for _ in range(self.samples):
             noise = torch.randn(
                 inputs.shape, generator=generator, device=inputs.device, dtype=inputs.dtype
@@ -148,7 +149,7 @@ class SmoothGradCAMPlusPlus(ChannelMapMethod):
             # The score function is the explained target itself, so class ids, callables and
             # any output type carry over to the noisy batch unchanged.
             noisy = layer_pass(data.model, inputs + sigma * noise, [data.layer], data.score)
-            gradients = required(data.layout, "layout").to_spatial(noisy.gradients[data.layer][0])
+            gradients = data.layout.to_spatial(noisy.gradients[data.layer][0])
             moments += torch.stack([gradients, gradients.square(), gradients.pow(3)])
         first, second, third = moments / self.samples
         return plusplus_weights(data.activations, first, second, third) * data.activations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import ChannelMapMethod, LayerData, required
+from camviz.cams.base import ChannelMapMethod, LayerData
 from camviz.cams.registry import register
 
 
@@ -33,7 +33,7 @@ class HiResCAM(ChannelMapMethod):
     )
 
     def weighted_activations(self, data: LayerData) -> torch.Tensor:
-        return required(data.gradients, "gradients") * data.activations
+        return data.dy_da * data.activations
 
 
 @register
@@ -58,4 +58,4 @@ class GradCAMElementWise(ChannelMapMethod):
     paper = "No paper; introduced by pytorch-grad-cam (Gildenblat and contributors, 2021)"
 
     def weighted_activations(self, data: LayerData) -> torch.Tensor:
-        return torch.relu(required(data.gradients, "gradients") * data.activations)
+        return torch.relu(data.dy_da * data.activations)

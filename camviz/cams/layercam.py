@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import ChannelMapMethod, LayerData, required
+from camviz.cams.base import ChannelMapMethod, LayerData
 from camviz.cams.registry import register
 
 
@@ -35,4 +35,4 @@ class LayerCAM(ChannelMapMethod):
     )
 
     def weighted_activations(self, data: LayerData) -> torch.Tensor:
-        return torch.relu(required(data.gradients, "gradients")) * data.activations
+        return torch.relu(data.dy_da) * data.activations

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from camviz.core.errors import CamvizError
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from camviz.cams.base import CamMethod
 
 _METHODS: dict[str, type[CamMethod]] = {}
@@ -42,10 +44,11 @@ def create(name: str, **options: Any) -> CamMethod:
         CamvizError: An unknown name, or an option the method does not take.
     """
     cls = get(name)
+    parameters = inspect.signature(cls).parameters.values()
+    if any(parameter.kind == parameter.VAR_KEYWORD for parameter in parameters):
+        return cls(**options)  # a wrapper: it hands the options on to its base method's create
     accepted = [
-        parameter.name
-        for parameter in inspect.signature(cls).parameters.values()
-        if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+        parameter.name for parameter in parameters if parameter.kind != parameter.VAR_POSITIONAL
     ]
     unknown = [option for option in options if option not in accepted]
     if unknown:
@@ -59,9 +62,10 @@ def _key(name: str) -> str:
     return name.lower().replace("-", "").replace("_", "").replace("+", "p")
 
 
-def names() -> list[str]:
-    """Every registered method name, in registration order."""
-    return list(_METHODS)
+def names(model: nn.Module | None = None) -> list[str]:
+    """Every registered method name, in registration order; with a ``model``, only those
+    that can explain it (``legrad`` needs a vision transformer)."""
+    return [name for name, cls in _METHODS.items() if model is None or cls.applies_to(model)]
 
 
 def table() -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import CamMethod, LayerData, required
+from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.projection import principal_projection
 from camviz.cams.registry import register
 
@@ -37,9 +37,7 @@ class SegEigenCAM(CamMethod):
     )
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
-        projection = principal_projection(
-            required(data.gradients, "gradients").abs() * data.activations
-        )
+        projection = principal_projection(data.dy_da.abs() * data.activations)
         extremes = projection.flatten(1)
         flip = extremes.amin(dim=1).abs() > extremes.amax(dim=1).abs()
         return torch.where(flip.view(-1, 1, 1), -projection, projection)

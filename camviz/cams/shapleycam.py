@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import ChannelMapMethod, LayerData, required
+from camviz.cams.base import ChannelMapMethod, LayerData
 from camviz.cams.registry import register
 
 
@@ -42,7 +42,6 @@ class ShapleyCAM(ChannelMapMethod):
     uses_hessian = True
 
     def weighted_activations(self, data: LayerData) -> torch.Tensor:
-        gradients = required(data.gradients, "gradients")
-        products = required(data.hessian_products, "Hessian-vector products")
-        weights = (gradients - 0.5 * products).mean(dim=(2, 3), keepdim=True)
+        assert data.hessian_products is not None  # uses_hessian: the engine records them
+        weights = (data.dy_da - 0.5 * data.hessian_products).mean(dim=(2, 3), keepdim=True)
         return weights * data.activations

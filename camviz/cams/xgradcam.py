@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import ChannelMapMethod, LayerData, required
+from camviz.cams.base import ChannelMapMethod, LayerData
 from camviz.cams.registry import register
 
 
@@ -37,7 +37,5 @@ class XGradCAM(ChannelMapMethod):
     def weighted_activations(self, data: LayerData) -> torch.Tensor:
         activations = data.activations
         total = activations.sum(dim=(2, 3), keepdim=True)
-        weighted = (required(data.gradients, "gradients") * activations).sum(
-            dim=(2, 3), keepdim=True
-        )
+        weighted = (data.dy_da * activations).sum(dim=(2, 3), keepdim=True)
         return torch.where(total != 0, weighted / total, 0) * activations
