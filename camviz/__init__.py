@@ -35,6 +35,7 @@ _EXPORTS = {
     "LayerTable": "camviz.debug.layerstats:LayerTable",
     "Preprocess": "camviz.io.images:Preprocess",
     "Region": "camviz.core.targets:Region",
+    "RowTarget": "camviz.core.targets:RowTarget",
     "TopK": "camviz.core.targets:TopK",
     "capture": "camviz.core.hooks:capture",
     "channel_grid": "camviz.io.render:channel_grid",
@@ -100,6 +101,7 @@ if TYPE_CHECKING:
     from camviz.core.hooks import edit as edit
     from camviz.core.targets import Contrast as Contrast
     from camviz.core.targets import Region as Region
+    from camviz.core.targets import RowTarget as RowTarget
     from camviz.core.targets import TopK as TopK
     from camviz.debug import edits as edits
     from camviz.debug.extraction import features as features

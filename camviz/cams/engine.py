@@ -225,6 +225,10 @@ def explain(
         target: What to explain; see :mod:`camviz.core.targets` (class id, list of ids, ``None``
             for top-1, ``"top3"``, :class:`~camviz.core.targets.Region`,
             :class:`~camviz.core.targets.Contrast`, or a callable ``output -> (N,) scores``).
+            Methods that re-run the model score batches whose rows come from any input; a
+            callable that holds per-input data must take the rows,
+            ``(output, rows) -> (R,) scores`` with ``rows[r]`` the input of row ``r``
+            (:class:`~camviz.core.targets.RowTarget`).
         output_key: For models whose output is a tuple or dict: where the logits are.
         fuse: How maps of several layers combine (``"mean"`` or ``"max"``): each layer's
             normalised map is upsampled to the input size, then the mean or the pixel-wise
