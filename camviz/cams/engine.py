@@ -248,6 +248,11 @@ def explain(
     Raises:
         CamvizError: A bad layer name, target, input shape or method name.
     """
+    if not isinstance(method, (str, CamMethod)):
+        raise CamvizError(
+            f"method must be a method name (camviz.cams.names()) or a CamMethod, not "
+            f"{type(method).__name__} {method!r}"
+        )
     cam = get(method)(**options) if isinstance(method, str) else method
     if fuse not in ("mean", "max"):
         raise CamvizError(f"fuse must be 'mean' or 'max', not {fuse!r}")

@@ -53,8 +53,8 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     in eval inside a model in train mode), and those must come back unchanged.
     """
     modes = [(module, module.training) for module in model.modules()]
-    model.eval()
     try:
+        model.eval()  # inside the try: a module whose train() raises leaves the others set
         yield model
     finally:
         for module, training in modes:

@@ -267,6 +267,8 @@ def class_ids(target: Target, logits: torch.Tensor) -> torch.Tensor:
         if not 1 <= target.k <= num_classes:
             raise CamvizError(f"top-k needs 1 <= k <= {num_classes}, got k={target.k}")
         return logits.detach().topk(target.k, dim=-1).indices
+    if _holds_bool(target):  # torch.as_tensor([0, True]) would read True as class 1
+        raise CamvizError(f"a target must be class ids (ints), not {target!r} (it holds a bool)")
     try:
         ids = torch.as_tensor(target, device=logits.device)
     except (TypeError, ValueError, RuntimeError):
@@ -287,6 +289,13 @@ def class_ids(target: Target, logits: torch.Tensor) -> torch.Tensor:
             f"(0..{num_classes - 1})"
         )
     return ids.long().view(batch, -1)
+
+
+def _holds_bool(target: Any) -> bool:
+    """Whether a target given as Python values is, or holds, a bool (numpy's too)."""
+    if isinstance(target, (list, tuple)):
+        return any(_holds_bool(item) for item in target)
+    return isinstance(target, bool) or type(target).__name__ == "bool_"
 
 
 def _parse_top(text: str) -> TopK:
