@@ -38,10 +38,11 @@ from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.layout import as_spatial, layout_of, patch_size
 from camviz.cams.registry import get
 from camviz.core.errors import CamvizError
+from camviz.core.finite import first_nonfinite_layer, is_finite
 from camviz.core.hooks import detach_to, edit
 from camviz.core.layers import Layer, default_target_layer, resolve_layers
 from camviz.core.maps import normalize, upsample
-from camviz.core.modelstate import eval_mode
+from camviz.core.modelstate import eval_mode, uncompiled
 from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 
 Fuse = Literal["mean", "max"]
@@ -214,7 +215,9 @@ def explain(
 
     Args:
         model: Any ``nn.Module`` classifier (or a model with a ``target`` callable). It is
-            used in eval mode for the call and handed back exactly as it came.
+            used in eval mode for the call and handed back exactly as it came. For a
+            ``torch.compile`` model the original module inside it is explained (layer names
+            are that module's).
         inputs: ``(N, C, H, W)`` batch, or one ``(C, H, W)`` image, already preprocessed.
             Moved to the model's device.
         method: A registry name (:func:`camviz.cams.names`) or a method instance.
@@ -254,6 +257,7 @@ def explain(
             f"{type(method).__name__} {method!r}"
         )
     cam = get(method)(**options) if isinstance(method, str) else method
+    model = uncompiled(model)
     if fuse not in ("mean", "max"):
         raise CamvizError(f"fuse must be 'mean' or 'max', not {fuse!r}")
     scales = _aug_scales(aug_smooth, target)
@@ -263,7 +267,10 @@ def explain(
         recorded = layer_pass(
             model, inputs, layers, target, gradients=cam.uses_gradients, output_key=output_key
         )
+        _check_finite(model, inputs, recorded)
         maps_by_layer = _layer_maps(cam, model, inputs, recorded)
+        if layer is None:
+            _check_default_layer(model, inputs, maps_by_layer, recorded, target, output_key)
         full_size = {
             name: upsample(maps, inputs.shape[-2:]) for name, maps in maps_by_layer.items()
         }
@@ -307,6 +314,9 @@ def _layer_maps(
         patch = patch_size(model) if output.dim() == 3 else None
         layout = layout_of(output.shape, name, inputs.shape[-2:], patch)
         activations = layout.to_spatial(output)
+        if not len(activations):  # an empty batch: no maps, and nothing for a method to do
+            maps_by_layer[name] = activations.new_zeros(0, *activations.shape[-2:])
+            continue
         ranks = []
         for rank, score_fn in enumerate(recorded.score_fns):
             gradients = recorded.gradients[name][rank] if recorded.gradients else None
@@ -326,8 +336,67 @@ def _layer_maps(
         with torch.no_grad():
             per_rank = cam.rank_maps(ranks)
         maps = torch.stack(per_rank, dim=1).flatten(0, 1)
+        if not is_finite(maps):
+            raise CamvizError(
+                f"{cam.name} gave NaN or Inf maps at layer {name!r} from finite activations "
+                "and scores; try another method or layer"
+            )
         maps_by_layer[name] = normalize(torch.relu(maps))
     return maps_by_layer
+
+
+def _check_finite(model: nn.Module, inputs: torch.Tensor, recorded: LayerPass) -> None:
+    """NaN or Inf in what the pass recorded is an error: the maps would be zeros."""
+    forward = [("explained scores", recorded.scores)] + [
+        (f"activations of layer {name!r}", values) for name, values in recorded.activations.items()
+    ]
+    bad = [what for what, values in forward if not is_finite(values)]
+    if bad:
+        first = first_nonfinite_layer(model, inputs)
+        source = (
+            f"layer {first!r} is the first to output NaN or Inf"
+            if first is not None
+            else "every layer's output is finite, so the target computes them"
+        )
+        raise CamvizError(
+            f"the {bad[0]} hold NaN or Inf: {source}; camviz.find_first_nonfinite(model, "
+            "inputs) says why"
+        )
+    for name, per_rank in recorded.gradients.items():
+        if not all(is_finite(gradients) for gradients in per_rank):
+            raise CamvizError(
+                f"the gradients at layer {name!r} hold NaN or Inf although the forward pass is "
+                "finite (the backward pass overflowed); explain in float32 or pick another layer"
+            )
+
+
+def _check_default_layer(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    maps_by_layer: dict[str, torch.Tensor],
+    recorded: LayerPass,
+    target: Target,
+    output_key: str | int | None,
+) -> None:
+    """All-zero maps at a layer camviz chose, because the score does not depend on it, are
+    an error: the user never named that layer."""
+    ((name, maps),) = maps_by_layer.items()
+    if not len(maps) or bool(maps.any()):
+        return
+    gradients = recorded.gradients.get(name)
+    if gradients is None:  # a method without gradients: take them now, in this rare case
+        try:
+            gradients = layer_pass(model, inputs, [name], target, output_key=output_key).gradients[
+                name
+            ]
+        except CamvizError:  # no autograd path from the layer to the score
+            gradients = []
+    if any(bool(values.any()) for values in gradients):
+        return  # the score depends on the layer: the maps say "no positive evidence"
+    raise CamvizError(
+        f"all maps are zero: the explained score does not depend on the default layer {name!r}; "
+        "pass layer=NAME (`camviz layers` lists them)"
+    )
 
 
 def _aug_scales(aug_smooth: bool | Sequence[float], target: Target) -> tuple[float, ...]:

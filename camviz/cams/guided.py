@@ -65,8 +65,11 @@ def forward_from_inputs(
     Raises:
         CamvizError: The score does not depend on the input.
     """
-    leaf = inputs.detach().requires_grad_()
-    with torch.enable_grad():
+    # A caller's inference mode would stop the graph as no_grad does not (as in layer_pass);
+    # an input made under it is an inference tensor, which can only lead a graph as a copy.
+    with torch.inference_mode(False), torch.enable_grad():
+        leaf = inputs.clone() if inputs.is_inference() else inputs.detach()
+        leaf.requires_grad_()
         with during_forward or nullcontext():
             output = model(leaf)
         total = score(output).sum()
