@@ -386,11 +386,10 @@ def _check_default_layer(
     gradients = recorded.gradients.get(name)
     if gradients is None:  # a method without gradients: take them now, in this rare case
         try:
-            gradients = layer_pass(model, inputs, [name], target, output_key=output_key).gradients[
-                name
-            ]
+            with_gradients = layer_pass(model, inputs, [name], target, output_key=output_key)
         except CamvizError:  # no autograd path from the layer to the score
-            gradients = []
+            with_gradients = None
+        gradients = with_gradients.gradients[name] if with_gradients else []
     if any(bool(values.any()) for values in gradients):
         return  # the score depends on the layer: the maps say "no positive evidence"
     raise CamvizError(
