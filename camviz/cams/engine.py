@@ -249,7 +249,9 @@ def explain(
         An :class:`Explanation`.
 
     Raises:
-        CamvizError: A bad layer name, target, input shape or method name.
+        CamvizError: A bad layer name, target, input shape or method name; NaN or Inf in
+            the model's scores or activations (the message names the first layer that
+            output them); all-zero maps at a default layer that the score does not depend on.
     """
     if not isinstance(method, (str, CamMethod)):
         raise CamvizError(
