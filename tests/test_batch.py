@@ -22,10 +22,11 @@ import camviz
 from camviz.cli import main
 from camviz.core.errors import CamvizError
 from camviz.io.images import load_image
+from camviz.io.models import LoadedModel
 from camviz.pipeline.dataset import _Buckets, _Sample, explain_dataset
 from camviz.pipeline.distributed import Context, shard
 from camviz.pipeline.inputs import expand
-from camviz.pipeline.job import save_heatmap
+from camviz.pipeline.job import Outputs, save_heatmap
 from camviz.pipeline.writer import Writer
 
 MODEL = "mobilenet_v3_small"
@@ -265,11 +266,30 @@ def test_resume_refuses_a_folder_made_with_other_settings(tmp_path, make_photos,
     assert (out / "a_overlay.png").stat().st_mtime_ns == before
 
 
+def test_a_submodule_layer_is_recorded_by_name_and_resumes_as_that_name(tmp_path, make_photos):
+    (photo,) = make_photos(tmp_path, {"a.png": (16, 16)})
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(3)
+    )
+    model(torch.zeros(1, 3, 16, 16))  # sizes the lazy layer
+    loaded = LoadedModel(model, camviz.Preprocess(size=16), ["a", "b", "c"], "tiny")
+    out = tmp_path / "out"
+    outputs = Outputs(panel=False)
+
+    camviz.explain_files([photo], out, loaded, layer=model[0], outputs=outputs)
+    settings = json.loads((out / "manifest.json").read_text())["settings"]
+    assert settings["layer"] == "0"
+    before = (out / "a_overlay.png").stat().st_mtime_ns
+    camviz.explain_files([photo], out, loaded, layer="0", outputs=outputs)  # the same settings
+    assert (out / "a_overlay.png").stat().st_mtime_ns == before
+
+
 KILLED_RUN = """
 import os, signal, sys
 import camviz.pipeline.job
 from camviz.cli import main
-from camviz.io.render import atomic_write
+from camviz.io.atomic import atomic_write
 
 saved = 0
 real_save = camviz.pipeline.job._save_png

@@ -7,7 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from camviz.cli import main
+
+pytestmark = pytest.mark.distributed
 
 # What `torchrun -m camviz` runs (runpy is how `python -m` runs a module), with each
 # process's shard recorded, to show that the processes split the work.

@@ -494,6 +494,7 @@ def renormalised(result) -> torch.Tensor:
     return minmax(result.heatmaps)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize("layer", ["layer4", "layer3"])
 @pytest.mark.parametrize(
     ("method", "peer"),
@@ -516,6 +517,7 @@ def test_matches_pytorch_grad_cam(resnet18, small_batch, method, peer, layer):
     torch.testing.assert_close(renormalised(ours), theirs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.peers
 def test_gradcam_pp_matches_pytorch_grad_cam_up_to_its_epsilon(resnet18, small_batch):
     from pytorch_grad_cam import GradCAMPlusPlus
 
@@ -530,6 +532,7 @@ def test_gradcam_pp_matches_pytorch_grad_cam_up_to_its_epsilon(resnet18, small_b
     torch.testing.assert_close(renormalised(ours), theirs, atol=1e-4, rtol=0)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize(
     ("method", "peer"), [("eigencam", "EigenCAM"), ("eigen_gradcam", "EigenGradCAM")]
 )
@@ -561,6 +564,7 @@ def test_eigen_methods_match_pytorch_grad_cam_up_to_its_random_sign(
         torch.testing.assert_close(sign * projection, theirs_raw[sample], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.peers
 def test_fullgrad_matches_pytorch_grad_cam(resnet18, small_batch):
     from pytorch_grad_cam import FullGrad
 
@@ -570,6 +574,7 @@ def test_fullgrad_matches_pytorch_grad_cam(resnet18, small_batch):
     torch.testing.assert_close(renormalised(ours), theirs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.peers
 def test_guided_backprop_matches_pytorch_grad_cam(resnet18, small_batch):
     from pytorch_grad_cam import GuidedBackpropReLUModel
 
@@ -588,6 +593,7 @@ def test_guided_backprop_matches_pytorch_grad_cam(resnet18, small_batch):
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize(("method", "peer"), [("xgradcam", "XGradCAM"), ("layercam", "LayerCAM")])
 @pytest.mark.parametrize("layer", ["layer4", "layer3"])
 def test_matches_torchcam(resnet18, small_batch, method, peer, layer):
@@ -601,6 +607,7 @@ def test_matches_torchcam(resnet18, small_batch, method, peer, layer):
     torch.testing.assert_close(ours.layer_maps, theirs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.peers
 def test_torchcam_gradcam_pp_leaves_alpha_at_g_squared(resnet18, small_batch):
     from torchcam.methods import GradCAMpp
 
@@ -621,6 +628,7 @@ def test_torchcam_gradcam_pp_leaves_alpha_at_g_squared(resnet18, small_batch):
     assert (ours.layer_maps - theirs).abs().max() > 0.1
 
 
+@pytest.mark.peers
 def test_smooth_gradcam_pp_matches_torchcam_as_the_noise_vanishes(resnet18, small_batch):
     from torchcam.methods import SmoothGradCAMpp
 
@@ -653,6 +661,7 @@ def test_correct_on_a_layer_whose_output_is_changed_in_place(resnet18, small_bat
     torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.peers
 def test_pytorch_grad_cam_reads_the_overwritten_bn2_output(resnet18, small_batch):
     from pytorch_grad_cam import LayerCAM
 

@@ -336,6 +336,7 @@ def peer_batch() -> torch.Tensor:
     return torch.randn(2, 3, 64, 64)
 
 
+@pytest.mark.peers
 def test_ablationcam_matches_pytorch_grad_cam(resnet18, peer_batch, untouched):
     """Tolerance 1e-4: float rounding only. ``layer1`` ends with a ReLU, so pytorch-grad-cam
     ablates with zero as the paper does; it normalises again after resizing, hence the
@@ -352,6 +353,7 @@ def test_ablationcam_matches_pytorch_grad_cam(resnet18, peer_batch, untouched):
     )
 
 
+@pytest.mark.peers
 def test_scorecam_matches_pytorch_grad_cam_and_torchcam(resnet18, peer_batch, untouched):
     """Tolerances from the documented differences in how masks are made (see ScoreCAM):
     5e-2 against pytorch-grad-cam (``align_corners=True``), 1e-2 against torchcam
@@ -372,6 +374,7 @@ def test_scorecam_matches_pytorch_grad_cam_and_torchcam(resnet18, peer_batch, un
     torch.testing.assert_close(result.layer_maps, torchcam_maps, rtol=0, atol=1e-2)
 
 
+@pytest.mark.peers
 def test_sscam_matches_torchcam(resnet18, peer_batch, untouched):
     """Tolerance 5e-2 (measured 9e-3): besides the mask order of Score-CAM, each library
     draws its own noise, so with 4 draws the averaged scores differ a little."""

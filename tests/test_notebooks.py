@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 from camviz.cams import names
 
+pytestmark = pytest.mark.notebooks
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 

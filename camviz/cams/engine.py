@@ -1,31 +1,20 @@
 """The engine: one forward pass, exactly the gradients a method needs, then post-processing.
 
-How the gradient ``dy/dA`` at a target layer is obtained, and why this way:
+The model runs under ``torch.no_grad()``. A forward hook on each target layer copies its
+output ``A`` and hands the rest of the network ``A + delta``, where ``delta`` is a zero tensor
+that requires grad; ``torch.autograd.grad(y.sum(), delta)`` is then exactly ``dy/dA`` for
+every sample. Nothing below the layer keeps a graph, no parameter gradient is computed, and
+in-place operations after the layer cannot change what was recorded (why this way, and not
+with backward hooks: ``docs/architecture.md``). Methods turn the recorded :class:`LayerData`
+into raw maps; the engine applies ReLU, normalises, resizes and fuses.
 
-1. The model runs under ``torch.no_grad()``: the part of the network *before* the target
-   layer keeps no autograd graph at all, so memory stays that of plain inference.
-2. A forward hook on the target layer (an :func:`camviz.core.hooks.edit`) copies the output
-   ``A``, switches grad mode on, and hands the rest of the network ``A + delta`` where
-   ``delta`` is a zero tensor that requires grad. From there on autograd records the graph.
-3. ``torch.autograd.grad(y.sum(), delta)`` gives ``dy/d(A + delta) = dy/dA`` - for every
-   sample at once, because in eval mode samples do not interact. Only the graph after the
-   layer is walked; no parameter ``.grad`` is written and none is computed.
-
-Because the rest of the network sees a *new* tensor, in-place operations after the layer
-(``ReLU(inplace=True)``, ResNet's ``out += identity`` right after ``layer4.1.bn2``) change
-neither the recorded activations nor the gradient. Hooks built on
-``register_full_backward_hook`` fail there, and hooks on the original output tensor record
-the overwritten values; both give wrong maps on ResNet's ``bn2`` layers.
-
-With several target layers each gets its own ``delta``; a later layer's output still
-depends on the earlier ``delta``, so every gradient stays exact.
-
-Whatever happens, the model comes back as it was: hooks removed, every module's
-train/eval flag restored, ``requires_grad`` and ``.grad`` never touched.
+Whatever happens, the model comes back as it was: hooks removed, every module's train/eval
+flag restored, ``requires_grad`` and ``.grad`` never touched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -37,6 +26,7 @@ from torch import nn
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.layout import as_spatial, layout_of, patch_size
 from camviz.cams.registry import get
+from camviz.core.batch import as_batch
 from camviz.core.errors import CamvizError
 from camviz.core.finite import first_nonfinite_layer, is_finite
 from camviz.core.hooks import detach_to, edit
@@ -45,10 +35,10 @@ from camviz.core.maps import normalize, upsample
 from camviz.core.modelstate import eval_mode, uncompiled
 from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 
-Fuse = Literal["mean", "max"]
+Fuse = Literal["mean", "max", "product"]
 
 # as_spatial is re-exported: methods that run their own layer passes use it.
-__all__ = ["Explanation", "LayerPass", "as_spatial", "explain", "layer_pass"]
+__all__ = ["Explanation", "LayerPass", "as_spatial", "explain", "layer_data", "layer_pass"]
 
 DEFAULT_AUG_SCALES = (1.0, 0.9, 1.1)
 
@@ -162,12 +152,17 @@ def _layer_pass(
     taps = {name: _Tap(name, gradients) for name in layers}
     with edit(model, taps), torch.no_grad():
         output = model(inputs)
+    activations = {}
+    deltas = []  # one per layer when gradients are asked for (the strict zip below checks)
     for tap in taps.values():
         if tap.activation is None:
             raise CamvizError(
                 f"layer {tap.name!r} did not run in the forward pass; pick a layer that the "
                 "model uses (`camviz layers` lists them with shapes)"
             )
+        activations[tap.name] = tap.activation
+        if tap.delta is not None:
+            deltas.append(tap.delta)
     fns, ids = score_fns(target, output, output_key)
     per_rank: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if gradients else {}
     scores = []
@@ -183,7 +178,6 @@ def _layer_pass(
                     f"the explained score does not depend on layer(s) {', '.join(layers)}; "
                     "pick a layer before the model's output"
                 )
-            deltas = [taps[name].delta for name in layers]
             grads = torch.autograd.grad(
                 score.sum(), deltas, retain_graph=rank < len(fns) - 1, allow_unused=True
             )
@@ -191,7 +185,7 @@ def _layer_pass(
                 per_rank[name].append(torch.zeros_like(delta) if grad is None else grad)
     return LayerPass(
         output=detach_to(output, None),
-        activations={name: tap.activation for name, tap in taps.items()},
+        activations=activations,
         gradients=per_rank,
         scores=torch.stack(scores, dim=1),
         score_fns=fns,
@@ -207,7 +201,7 @@ def explain(
     target: Target = None,
     *,
     output_key: str | int | None = None,
-    fuse: Fuse = "mean",
+    fuse: Fuse | None = None,
     aug_smooth: bool | Sequence[float] = False,
     **options: Any,
 ) -> Explanation:
@@ -221,8 +215,8 @@ def explain(
         inputs: ``(N, C, H, W)`` batch, or one ``(C, H, W)`` image, already preprocessed.
             Moved to the model's device.
         method: A registry name (:func:`camviz.cams.names`) or a method instance.
-        layer: Target layer name(s) or wildcard pattern(s). ``None`` picks the last layer
-            with a spatial output, or for a vision transformer the norm before its last
+        layer: Target layer(s): names, wildcard patterns or submodules. ``None`` picks the last
+            layer with a spatial output, or for a vision transformer the norm before its last
             attention (:func:`camviz.core.layers.default_target_layer`; found once per model
             with a one-sample dry run).
         target: What to explain; see :mod:`camviz.core.targets` (class id, list of ids, ``None``
@@ -233,9 +227,10 @@ def explain(
             ``(output, rows) -> (R,) scores`` with ``rows[r]`` the input of row ``r``
             (:class:`~camviz.core.targets.RowTarget`).
         output_key: For models whose output is a tuple or dict: where the logits are.
-        fuse: How maps of several layers combine (``"mean"`` or ``"max"``): each layer's
-            normalised map is upsampled to the input size, then the mean or the pixel-wise
-            maximum is taken and normalised again.
+        fuse: How maps of several layers combine (``"mean"``, ``"max"`` or ``"product"``):
+            each layer's normalised map is upsampled to the input size, then the mean, the
+            pixel-wise maximum or the product is taken and normalised again. ``None``: the
+            method's own rule (``refinecam`` multiplies), else the mean.
         aug_smooth: Test-time augmentation, for any method: the batch is also explained
             horizontally flipped and rescaled, each map is flipped back and resized to the
             input, and the maps are averaged (then normalised). ``True`` uses the scales
@@ -260,10 +255,10 @@ def explain(
         )
     cam = get(method)(**options) if isinstance(method, str) else method
     model = uncompiled(model)
-    if fuse not in ("mean", "max"):
-        raise CamvizError(f"fuse must be 'mean' or 'max', not {fuse!r}")
+    fuse = _fusion(cam, fuse)
+    target = cam.explained_target(target)
     scales = _aug_scales(aug_smooth, target)
-    inputs = _as_batch(inputs, model)
+    inputs = as_batch(inputs, model)
     with eval_mode(model):
         layers = _target_layers(model, inputs, layer)
         recorded = layer_pass(
@@ -278,14 +273,20 @@ def explain(
         }
         if scales:
             # Augmented passes explain the classes chosen here, even if augmentation flips them.
-            fixed = recorded.class_ids
-            if fixed is None or isinstance(target, Contrast):
+            chosen = recorded.class_ids
+            fixed: Target = chosen
+            if chosen is None:
                 fixed = target
+            elif isinstance(target, Contrast):
+                fixed = dataclasses.replace(target, a=chosen[:, 0])
             maps_by_layer, full_size = _aug_smoothed(
                 cam, model, inputs, layers, fixed, output_key, scales, maps_by_layer, full_size
             )
-    upsampled = list(full_size.values())
-    fused = torch.stack(upsampled).amax(0) if fuse == "max" else torch.stack(upsampled).mean(0)
+    stacked = torch.stack(list(full_size.values()))
+    if fuse == "product":
+        fused = stacked.prod(0)
+    else:
+        fused = stacked.amax(0) if fuse == "max" else stacked.mean(0)
     batch, ranks = recorded.scores.shape
     ids = recorded.class_ids
     return Explanation(
@@ -301,40 +302,55 @@ def explain(
     )
 
 
+def layer_data(
+    model: nn.Module, inputs: torch.Tensor, recorded: LayerPass, name: str
+) -> list[LayerData]:
+    """What a method gets for layer ``name`` of a recorded pass: one :class:`LayerData` per
+    rank, activations and gradients in their ``(N, C, h, w)`` view.
+
+    Raises:
+        CamvizError: The layer folds windows or heads into the batch.
+    """
+    output = recorded.activations[name]
+    if output.shape[0] != inputs.shape[0]:
+        raise CamvizError(
+            f"layer {name!r} outputs a batch of {output.shape[0]} for {inputs.shape[0]} "
+            "inputs (windows or heads folded into the batch); pick a layer whose output "
+            "keeps one row per input"
+        )
+    patch = patch_size(model) if output.dim() == 3 else None
+    layout = layout_of(output.shape, name, inputs.shape[-2:], patch)
+    activations = layout.to_spatial(output)
+    ranks = []
+    for rank, score_fn in enumerate(recorded.score_fns):
+        gradients = recorded.gradients[name][rank] if recorded.gradients else None
+        ranks.append(
+            LayerData(
+                layer=name,
+                activations=activations,
+                gradients=None if gradients is None else layout.to_spatial(gradients),
+                model=model,
+                inputs=inputs,
+                score=score_fn,
+                class_ids=None if recorded.class_ids is None else recorded.class_ids[:, rank],
+                scores=recorded.scores[:, rank],
+                layout=layout,
+            )
+        )
+    return ranks
+
+
 def _layer_maps(
     cam: CamMethod, model: nn.Module, inputs: torch.Tensor, recorded: LayerPass
 ) -> dict[str, torch.Tensor]:
     """Each layer's ``(N * K, h, w)`` maps, sample-major, after ReLU and normalisation."""
     maps_by_layer = {}
-    for name, output in recorded.activations.items():
-        if output.shape[0] != inputs.shape[0]:
-            raise CamvizError(
-                f"layer {name!r} outputs a batch of {output.shape[0]} for {inputs.shape[0]} "
-                "inputs (windows or heads folded into the batch); pick a layer whose output "
-                "keeps one row per input"
-            )
-        patch = patch_size(model) if output.dim() == 3 else None
-        layout = layout_of(output.shape, name, inputs.shape[-2:], patch)
-        activations = layout.to_spatial(output)
-        if not len(activations):  # an empty batch: no maps, and nothing for a method to do
+    for name in recorded.activations:
+        ranks = layer_data(model, inputs, recorded, name)
+        if not len(inputs):  # an empty batch: no maps, and nothing for a method to do
+            activations = ranks[0].activations
             maps_by_layer[name] = activations.new_zeros(0, *activations.shape[-2:])
             continue
-        ranks = []
-        for rank, score_fn in enumerate(recorded.score_fns):
-            gradients = recorded.gradients[name][rank] if recorded.gradients else None
-            ranks.append(
-                LayerData(
-                    layer=name,
-                    activations=activations,
-                    gradients=None if gradients is None else layout.to_spatial(gradients),
-                    model=model,
-                    inputs=inputs,
-                    score=score_fn,
-                    class_ids=None if recorded.class_ids is None else recorded.class_ids[:, rank],
-                    scores=recorded.scores[:, rank],
-                    layout=layout,
-                )
-            )
         with torch.no_grad():
             per_rank = cam.rank_maps(ranks)
         maps = torch.stack(per_rank, dim=1).flatten(0, 1)
@@ -398,6 +414,17 @@ def _check_default_layer(
         f"all maps are zero: the explained score does not depend on the default layer {name!r}; "
         "pass layer=NAME (`camviz layers` lists them)"
     )
+
+
+def _fusion(cam: CamMethod, fuse: Fuse | None) -> Fuse:
+    """The layer fusion to use: the caller's, else the method's own, else the mean."""
+    if fuse is not None and fuse not in ("mean", "max", "product"):
+        raise CamvizError(f"fuse must be 'mean', 'max' or 'product', not {fuse!r}")
+    if cam.fuse is not None and fuse not in (None, cam.fuse):
+        raise CamvizError(
+            f"{cam.name} combines layers by {cam.fuse!r}; leave fuse= unset (got {fuse!r})"
+        )
+    return fuse or cam.fuse or "mean"
 
 
 def _aug_scales(aug_smooth: bool | Sequence[float], target: Target) -> tuple[float, ...]:
@@ -487,23 +514,6 @@ def _target_layers(
     if layer is None:
         return [default_target_layer(model, inputs)]
     return list(resolve_layers(model, layer))
-
-
-def _as_batch(inputs: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    if not isinstance(inputs, torch.Tensor):
-        raise CamvizError(
-            f"inputs must be a tensor, not {type(inputs).__name__}; preprocess images first "
-            "(camviz.images.load_batch)"
-        )
-    if inputs.dim() == 3:
-        inputs = inputs.unsqueeze(0)
-    if inputs.dim() != 4 or not inputs.is_floating_point():
-        raise CamvizError(
-            f"inputs must be a float (N, C, H, W) batch or one (C, H, W) image, got "
-            f"{inputs.dtype} of shape {tuple(inputs.shape)}"
-        )
-    parameter = next(model.parameters(), None)
-    return inputs.to(parameter.device) if parameter is not None else inputs
 
 
 def _check_scores(score: torch.Tensor, batch: int) -> None:

@@ -30,5 +30,5 @@ class GradCAM(CamMethod):
     )
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
-        weights = data.gradients.mean(dim=(2, 3), keepdim=True)
+        weights = data.dy_da.mean(dim=(2, 3), keepdim=True)
         return (weights * data.activations).sum(dim=1)

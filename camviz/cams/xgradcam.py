@@ -34,6 +34,6 @@ class XGradCAM(CamMethod):
     def layer_map(self, data: LayerData) -> torch.Tensor:
         activations = data.activations
         total = activations.sum(dim=(2, 3), keepdim=True)
-        weighted = (data.gradients * activations).sum(dim=(2, 3), keepdim=True)
+        weighted = (data.dy_da * activations).sum(dim=(2, 3), keepdim=True)
         weights = torch.where(total != 0, weighted / total, 0)
         return (weights * activations).sum(dim=1)

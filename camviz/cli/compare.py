@@ -43,12 +43,14 @@ def run(args: argparse.Namespace) -> int:
     from camviz.core.errors import CamvizError
     from camviz.evaluation.report import compare, write_report
 
-    methods = cams.names() if args.methods == "all" else _split(args.methods)
+    methods = [] if args.methods == "all" else _split(args.methods)
     for method in methods:
         cams.get(method)  # an unknown name fails before the model loads
     if args.steps < 1 or args.batch_size < 1:
         raise CamvizError("--steps and --batch-size must be positive integers")
     loaded = load_model(args)
+    if args.methods == "all":
+        methods = cams.names(loaded.model)  # those that apply to this model
     comparison = compare(
         args.images,
         loaded,

@@ -153,7 +153,7 @@ def default_target_layer(model: nn.Module, inputs: torch.Tensor) -> str:
                 hooks.add(module.register_forward_pre_hook(before_attention))
         model(inputs[:1])
     if kinds and kinds[-1] == "tokens":
-        found = attention_inputs[-1] if attention_inputs else tokens[-1]
+        found: str | None = attention_inputs[-1] if attention_inputs else tokens[-1]
     else:
         found = spatial[-1] if spatial else None
     if found is None:

@@ -8,7 +8,8 @@ A *target* turns the model's output into one score per sample (and per rank, for
 * a sequence or 1-D tensor of ints - one class per sample (as many as the batch);
 * an ``(N, K)`` tensor of ints - K given classes per sample, one map per rank;
 * :class:`Region` - a class's logits summed over a region of a segmentation output;
-* :class:`Contrast` - ``y_a - y_b``: why class ``a`` rather than class ``b``;
+* :class:`Contrast` - ``y_a - alpha * y_b``: why class ``a`` rather than class ``b`` (or the
+  mean of several classes ``b``, or the classes :class:`Nearest` to ``a``);
 * a callable ``output -> (N,)`` scores - anything else (a detection score, a regression
   output), or a :class:`RowTarget` ``(output, rows) -> (R,)`` scores (below).
 
@@ -92,20 +93,44 @@ class Region:
 
 
 @dataclass(frozen=True)
-class Contrast:
-    """Why class ``a`` rather than class ``b``: the score ``y_a - y_b``.
+class Nearest:
+    """The ``k`` classes whose scores are closest to the explained class's, as ``Contrast.b``.
 
-    The map shows the evidence for ``a`` that is not evidence for ``b`` (Grad-CAM's
-    counterfactual use, Selvaraju et al. 2017, Sec. 5). ``a`` and ``b`` are class ids, or one
-    id per sample each.
+    Found per sample from the forward pass: ``|y_j - y_a|`` smallest over ``j != a`` (the
+    reference classes of Finer-CAM, Zhang et al. 2025).
     """
 
-    a: int | Sequence[int] | torch.Tensor
-    b: int | Sequence[int] | torch.Tensor
+    k: int = 1
+
+
+@dataclass(frozen=True)
+class Contrast:
+    """Why class ``a`` rather than class ``b``: the score ``y_a - alpha * mean_t y_{b_t}``.
+
+    The map shows the evidence for ``a`` that is not evidence for ``b`` (Grad-CAM's
+    counterfactual use, Selvaraju et al. 2017, Sec. 5). ``a`` is a class id, one id per
+    sample, or ``None`` for each sample's top class. ``b`` is a class id, one id per sample,
+    ``T`` ids per sample (an ``(N, T)`` tensor or list of lists: their scores are averaged),
+    or :class:`Nearest` for the ``k`` classes scored closest to ``a``. ``alpha`` scales the
+    reference (Finer-CAM's comparison strength; ``1`` is the plain difference).
+    """
+
+    a: int | Sequence[int] | torch.Tensor | None
+    b: int | Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | Nearest
+    alpha: float = 1.0
 
 
 Target: TypeAlias = (
-    int | str | Sequence[int] | torch.Tensor | TopK | Region | Contrast | ScoreFn | None
+    int
+    | str
+    | Sequence[int]
+    | Sequence[Sequence[int]]
+    | torch.Tensor
+    | TopK
+    | Region
+    | Contrast
+    | ScoreFn
+    | None
 )
 
 
@@ -331,19 +356,39 @@ def score_fns(
         return [_region_score(target, logits, output_key)], ids
     if isinstance(target, Contrast):
         logits = _class_scores(output, output_key)
-        first, second = class_ids(target.a, logits), class_ids(target.b, logits)
-        if first.shape[1] != 1 or second.shape[1] != 1:
-            raise CamvizError("Contrast(a, b) takes one class (or one per sample) for a and b")
+        first = class_ids(target.a, logits)
+        if first.shape[1] != 1:
+            raise CamvizError("Contrast(a, b) takes one class (or one per sample) for a")
+        if isinstance(target.b, Nearest):
+            second = nearest_classes(logits, first[:, 0], target.b.k)
+        else:
+            second = class_ids(target.b, logits)
         if bool((first == second).any()):
-            raise CamvizError("Contrast(a, b) needs two different classes; got a == b")
+            raise CamvizError("Contrast(a, b) needs two different classes; got a class in both")
         contrast = _Difference(
-            _ClassScore(first[:, 0], output_key), _ClassScore(second[:, 0], output_key)
+            _ClassScore(first[:, 0], output_key), _ClassScore(second, output_key), target.alpha
         )
         return [contrast], first
     if callable(target) and not isinstance(target, (torch.Tensor, TopK)):
         return [_UserTarget(target)], None
     ids = class_ids(target, _class_scores(output, output_key))
     return [_ClassScore(ids[:, rank], output_key) for rank in range(ids.shape[1])], ids
+
+
+def nearest_classes(logits: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """``(N, k)``: for each sample, the ``k`` classes other than ``ids`` whose logits are
+    closest to the logit of ``ids``, closest first.
+
+    Raises:
+        CamvizError: ``k`` is not between 1 and the number of other classes.
+    """
+    others = logits.shape[-1] - 1
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= others:
+        raise CamvizError(f"Nearest(k) needs 1 <= k <= {others} (the other classes), got {k!r}")
+    scores = logits.detach()
+    distance = (scores - scores.gather(-1, ids.view(-1, 1))).abs()
+    distance.scatter_(-1, ids.view(-1, 1), torch.inf)
+    return distance.topk(k, dim=-1, largest=False).indices
 
 
 def _class_scores(output: Any, output_key: str | int | None) -> torch.Tensor:
@@ -359,25 +404,27 @@ def _class_scores(output: Any, output_key: str | int | None) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class _ClassScore:
-    """The logit of one given class per sample."""
+    """The logit of one given class per sample, or the mean logit of ``(N, T)`` classes."""
 
     ids: torch.Tensor
     output_key: str | int | None
 
     def __call__(self, output: Any, samples: torch.Tensor | None = None) -> torch.Tensor:
         ids = self.ids if samples is None else self.ids[samples]
-        return as_logits(output, self.output_key).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        ids = ids.view(ids.shape[0], -1)
+        return as_logits(output, self.output_key).gather(-1, ids).mean(dim=-1)
 
 
 @dataclass(frozen=True, eq=False)
 class _Difference:
-    """``first - second``."""
+    """``first - weight * second``."""
 
     first: ScoreFn
     second: ScoreFn
+    weight: float = 1.0
 
     def __call__(self, output: Any, samples: torch.Tensor | None = None) -> torch.Tensor:
-        return self.first(output, samples) - self.second(output, samples)
+        return self.first(output, samples) - self.weight * self.second(output, samples)
 
 
 @dataclass(frozen=True, eq=False)
@@ -435,3 +482,15 @@ def _region_score(
     if not bool(mask.flatten(-2).ne(0).any(-1).all()):
         raise CamvizError("Region.mask selects no pixel (for some sample); give a non-empty region")
     return _RegionScore(class_id, mask.to(logits.dtype), output_key)
+
+
+def class_name(categories: Sequence[str] | None, class_id: int) -> str:
+    """The name of class ``class_id``: from ``categories``, or ``"class 7"``.
+
+    ``-1`` stands for a target that is not a class (a callable, a region, a contrast).
+    """
+    if class_id < 0:
+        return "custom target"
+    if categories is not None and class_id < len(categories):
+        return categories[class_id]
+    return f"class {class_id}"

@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from camviz.cams.base import CamMethod
 from camviz.cams.engine import explain
+from camviz.core.batch import as_batch
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import tensors_in
 from camviz.core.layers import Layer, resolve_layers
@@ -120,7 +121,9 @@ def cascading_randomization(
     """
     explainer, name = _explainer(method, layer)
     copied = copy.deepcopy(model)
-    inputs = _on_device(inputs, copied)
+    if next(copied.parameters(), None) is None:
+        raise CamvizError("the model has no parameters to randomise")
+    inputs = as_batch(inputs, copied, single=False)
     original = explainer(copied, inputs, target)
     target = _fixed_target(target, copied, inputs)
     groups = _stages(copied, inputs, stages)
@@ -236,15 +239,6 @@ def _explainer(
     if callable(method):
         return method, getattr(method, "__name__", type(method).__name__)
     raise CamvizError(f"method must be a CAM name, a CamMethod or a callable, not {method!r}")
-
-
-def _on_device(inputs: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    if not isinstance(inputs, torch.Tensor) or inputs.dim() != 4:
-        raise CamvizError("inputs must be an (N, C, H, W) tensor")
-    parameter = next(model.parameters(), None)
-    if parameter is None:
-        raise CamvizError("the model has no parameters to randomise")
-    return inputs.to(parameter.device)
 
 
 def _fixed_target(target: Target, model: nn.Module, inputs: torch.Tensor) -> Target:

@@ -20,11 +20,9 @@ Preprocessing keeps the whole image (no centre crop, see :class:`camviz.images.P
 the shorter side is scaled to the model's input size, so the heatmap covers the full photo.
 The mean, std and interpolation are those the weights were trained with.
 
-Pretrained downloads go through torch hub and the Hugging Face hub. Both write to a
-temporary file and move it into the cache only when it is complete, so a failed download
-never leaves a broken checkpoint behind (torch hub deletes its ``.partial`` file; the
-Hugging Face hub keeps an ``.incomplete`` one to resume from). A failure is a
-:class:`~camviz.core.errors.CamvizError` saying what to do instead.
+Pretrained downloads go through torch hub and the Hugging Face hub, which never leave a
+broken checkpoint in their caches; a failure is a :class:`~camviz.core.errors.CamvizError`
+saying what to do instead (``--weights PATH``, or the offline default).
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import nn
@@ -304,10 +302,12 @@ def _timm_architecture(name: str) -> _Architecture:
         raise CamvizError(_unknown_timm_message(name, timm.list_models()))
     # Every registered timm model has a pretrained config, even one without weights.
     config = get_pretrained_cfg(name)
+    assert config is not None
+    # Preprocess checks that mean and std hold three values.
     preprocess = Preprocess(
         size=min(config.input_size[1:]),
-        mean=config.mean,
-        std=config.std,
+        mean=cast("tuple[float, float, float]", config.mean),
+        std=cast("tuple[float, float, float]", config.std),
         resize="square" if config.fixed_input_size else "shorter",
         interpolation=_interpolation(config.interpolation),
     )
@@ -329,10 +329,10 @@ def _timm_architecture(name: str) -> _Architecture:
     )
 
 
-def _interpolation(mode: str) -> str:
+def _interpolation(mode: str) -> Literal["bilinear", "bicubic"]:
     # Both libraries train almost every model with one of these two; anything else
     # (timm's "random" for training) is read as the common "bilinear".
-    return mode if mode in ("bilinear", "bicubic") else "bilinear"
+    return "bicubic" if mode == "bicubic" else "bilinear"
 
 
 def _default_layer(name: str) -> str | None:

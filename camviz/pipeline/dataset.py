@@ -3,18 +3,11 @@
 :func:`explain_dataset` is a generator: it holds one batch (and a few waiting images) at a
 time, so a notebook can walk through 100 000 images and keep only what it wants.
 
-**Images of different sizes.** A model's preprocessing keeps the aspect ratio (the shorter
-side becomes 224), so a 4:3 photo and a 3:2 photo become tensors of different widths, which
-cannot be stacked. Decoded images are therefore collected in *buckets*, one per tensor
-shape, and a bucket is explained when it holds a full batch. A typical dataset has a few
-shapes, so nearly every batch is full. Padding to a common size was rejected: the model
-would see (and the CAM explain) the padding, and a result would depend on which images
-happened to share its batch. Squashing every image to a square was rejected as the default
-for the same reason the preprocessing keeps the aspect ratio (the model sees the photo as
-it is); a model whose ``Preprocess`` has ``resize="square"`` gets one bucket anyway. Each
-heatmap therefore covers exactly its whole photo, and stretching it to the photo's size
-(as :func:`camviz.render.overlay` does) lays it on the photo exactly. When many shapes
-wait at once, the fullest bucket is explained early, so memory stays bounded.
+**Images of different sizes.** Preprocessing keeps each photo's aspect ratio, so photos
+become tensors of different shapes. Decoded images wait in *buckets*, one per tensor shape,
+and a bucket is explained when it holds a full batch; when many shapes wait at once, the
+fullest bucket goes early, so memory stays bounded. Each heatmap covers exactly its photo
+(why not padding or squashing: ``docs/architecture.md``).
 
 **Unreadable inputs** (a corrupt file, a text file named ``.jpg``, a missing frame) do not
 stop the run: they come out as results with ``status == "error"`` and the reason.
@@ -37,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from camviz.cams.engine import explain
 from camviz.core.errors import CamvizError, first_line
 from camviz.core.layers import Layer
-from camviz.core.targets import Target, as_logits
+from camviz.core.targets import Target, as_logits, class_name
 from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
 from camviz.io.models import LoadedModel
 from camviz.io.video import FrameReader
@@ -164,7 +157,8 @@ class _Prepared(Dataset):
         self.keep_images = keep_images
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        # torch's Dataset leaves __len__ to its subclasses; map-style datasets define it.
+        return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, index: int) -> _Sample:
         started = time.perf_counter()
@@ -267,12 +261,13 @@ def explain_dataset(
     if not isinstance(workers, int) or workers < 0:
         raise CamvizError(f"workers must be 0 or more, not {workers!r}")
     if not isinstance(data, Dataset):
-        items = expand(data, every=every)
+        items: list[Item] | None = expand(data, every=every)
         if not items:
             raise CamvizError("no image or video found in the inputs; check the paths")
         data = ItemDataset(items, max_pixels=max_pixels)
     items = data.items if isinstance(data, ItemDataset) else None
-    order = list(range(len(data))) if indices is None else list(indices)
+    # A map-style Dataset has a length (torch's Dataset type leaves __len__ to subclasses).
+    order = list(range(len(data))) if indices is None else list(indices)  # type: ignore[arg-type]
     explainer = _BatchExplainer(network, categories, method, layer, target, options)
     loader = DataLoader(
         _Prepared(data, preprocess, keep_images),
@@ -320,6 +315,7 @@ def _explained(
     finally:
         bar.close()
         del batches  # shuts the workers down, also when the consumer stops early
+        assert isinstance(loader.dataset, _Prepared)
         if isinstance(loader.dataset.dataset, ItemDataset):
             loader.dataset.dataset.close()
 
@@ -335,6 +331,7 @@ class _Buckets:
 
     def add(self, sample: _Sample) -> list[_Sample]:
         """Add ``sample``; returns a batch that is ready (full, or needed to free memory)."""
+        assert sample.inputs is not None  # only decoded samples wait for a batch
         shape = tuple(sample.inputs.shape)
         self.by_shape.setdefault(shape, []).append(sample)
         self.waiting += 1
@@ -377,11 +374,15 @@ class _BatchExplainer:
     def __call__(self, samples: list[_Sample], items: list[Item] | None) -> list[ImageResult]:
         if not samples:
             return []
+        inputs = []
+        for sample in samples:
+            assert sample.inputs is not None  # only decoded samples are batched
+            inputs.append(sample.inputs)
         started = time.perf_counter()
         try:
             explanation = explain(
                 self.network,
-                torch.stack([sample.inputs for sample in samples]),
+                torch.stack(inputs),
                 self.method,
                 self.layer,
                 self.target,
@@ -403,7 +404,7 @@ class _BatchExplainer:
         logits = as_logits(explanation.output, self.options.get("output_key")).detach().float()
         table = logits.dim() == 2  # (N, classes): probabilities and a top list make sense
         probabilities = logits.softmax(-1).cpu() if table else None
-        if table:
+        if probabilities is not None:
             best = probabilities.topk(min(TOP_PREDICTIONS, logits.shape[-1]), dim=-1)
             top_ids, top_probabilities = best.indices.tolist(), best.values.tolist()
             top_scores = logits.cpu().gather(1, best.indices).tolist()
@@ -421,7 +422,7 @@ class _BatchExplainer:
                     score=scores[row],
                     probability=(
                         float(probabilities[position, targets[row]])
-                        if table and targets[row] >= 0
+                        if probabilities is not None and targets[row] >= 0
                         else None
                     ),
                 )
@@ -462,15 +463,6 @@ class _BatchExplainer:
 
     def _name(self, class_id: int) -> str:
         return class_name(self.categories, class_id)
-
-
-def class_name(categories: Sequence[str] | None, class_id: int) -> str:
-    """The name of class ``class_id``: from ``categories``, or ``"class 7"``."""
-    if class_id < 0:
-        return "custom target"
-    if categories is not None and class_id < len(categories):
-        return categories[class_id]
-    return f"class {class_id}"
 
 
 def _failed(sample: _Sample, reason: str, items: list[Item] | None) -> ImageResult:

@@ -55,11 +55,12 @@ from PIL import Image
 
 from camviz.cams import get as get_method
 from camviz.core.errors import CamvizError
-from camviz.core.layers import Layer
+from camviz.core.layers import Layer, resolve_layers
 from camviz.core.targets import Target
+from camviz.io.atomic import atomic_write
 from camviz.io.images import PathLike
 from camviz.io.models import LoadedModel
-from camviz.io.render import atomic_write, overlay, panel, save
+from camviz.io.render import overlay, panel, save
 from camviz.io.video import frame_rate, write_video
 from camviz.pipeline import distributed, manifest
 from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
@@ -273,6 +274,7 @@ class _Job:
     def _write(self, result: ImageResult) -> None:
         """Draw and write one image's files, then its row (runs on a writer thread)."""
         item = self.items[result.index]
+        assert result.heatmaps is not None and self.log is not None  # ok; run() opened the log
         ranks = len(result.explained)
         explained = []
         for rank, (prediction, heatmap) in enumerate(
@@ -294,9 +296,11 @@ class _Job:
         files = {}
         alpha, colormap = self.render.alpha, self.render.colormap
         if self.outputs.overlay:
+            assert result.image is not None  # run() keeps the images of overlays and panels
             files["overlay"] = f"{stem}_overlay.png"
             _save_png(overlay(result.image, heatmap, alpha, colormap), self.out / files["overlay"])
         if self.outputs.panel and item.frame is None:
+            assert result.image is not None
             files["panel"] = f"{stem}_panel.png"
             shown = (
                 f"p={prediction.probability:.2f}"
@@ -377,7 +381,7 @@ def _settings(
         "model": loaded.name,
         "classes": len(loaded.categories),
         "method": method,
-        "layer": layer if isinstance(layer, (str, type(None))) else list(layer),
+        "layer": _layer_setting(loaded.model, layer),
         "target": _target_text(target),
         "alpha": render.alpha,
         "colormap": render.colormap,
@@ -390,6 +394,21 @@ def _settings(
 
 def _target_text(target: Target) -> int | str | None:
     return target if isinstance(target, (int, str, type(None))) else repr(target)
+
+
+def _layer_setting(
+    model: torch.nn.Module, layer: Layer | Sequence[Layer] | None
+) -> str | list[str] | None:
+    """``layer`` as JSON: names and patterns as given, a submodule by its name in ``model``."""
+
+    def named(one: Layer) -> str:
+        return one if isinstance(one, str) else next(iter(resolve_layers(model, one)))
+
+    if layer is None:
+        return None
+    if isinstance(layer, (str, torch.nn.Module)):
+        return named(layer)
+    return [named(one) for one in layer]
 
 
 def _check_settings(out: Path, settings: dict[str, Any]) -> None:
