@@ -411,7 +411,7 @@ class _ClassScore:
 
     def __call__(self, output: Any, samples: torch.Tensor | None = None) -> torch.Tensor:
         ids = self.ids if samples is None else self.ids[samples]
-        ids = ids.view(ids.shape[0], -1)
+        ids = ids.unsqueeze(-1) if ids.dim() == 1 else ids  # view(N, -1) fails for N = 0
         return as_logits(output, self.output_key).gather(-1, ids).mean(dim=-1)
 
 
