@@ -10,6 +10,11 @@ into raw maps; the engine applies ReLU, normalises, resizes and fuses.
 
 Whatever happens, the model comes back as it was: hooks removed, every module's train/eval
 flag restored, ``requires_grad`` and ``.grad`` never touched.
+
+**Threads.** Calls on one model are serialised (:func:`camviz.core.modelstate.exclusive`):
+a second thread that explains with the same model waits until the first call is done,
+since its hooks would otherwise see the other call's pass. Threads with their own copies
+of the model run in parallel.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from camviz.core.finite import first_nonfinite_layer, is_finite
 from camviz.core.hooks import detach_to, edit
 from camviz.core.layers import Layer, default_target_layer, resolve_layers
 from camviz.core.maps import normalize, upsample
-from camviz.core.modelstate import eval_mode, uncompiled
+from camviz.core.modelstate import eval_mode, exclusive, uncompiled
 from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 
 Fuse = Literal["mean", "max", "product"]
@@ -137,7 +142,8 @@ def layer_pass(
     that average over noisy or augmented inputs call it once per variant. The model must
     already be in the mode wanted (``explain`` puts it in eval mode).
     """
-    with torch.inference_mode(False):  # a caller's inference mode would stop the graph too
+    # A caller's inference mode would stop the graph too.
+    with exclusive(model), torch.inference_mode(False):
         return _layer_pass(model, inputs, layers, target, gradients, output_key)
 
 
@@ -247,6 +253,8 @@ def explain(
         CamvizError: A bad layer name, target, input shape or method name; NaN or Inf in
             the model's scores or activations (the message names the first layer that
             output them); all-zero maps at a default layer that the score does not depend on.
+
+    Two threads calling this with one model take turns (see the module docstring).
     """
     if not isinstance(method, (str, CamMethod)):
         raise CamvizError(
@@ -259,7 +267,7 @@ def explain(
     target = cam.explained_target(target)
     scales = _aug_scales(aug_smooth, target)
     inputs = as_batch(inputs, model)
-    with eval_mode(model):
+    with exclusive(model), eval_mode(model):
         layers = _target_layers(model, inputs, layer)
         recorded = layer_pass(
             model, inputs, layers, target, gradients=cam.uses_gradients, output_key=output_key

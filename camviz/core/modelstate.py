@@ -1,12 +1,18 @@
 """Leave the model as it came: hook handles that always come off, and modes that come back.
 
-Everything in camviz that touches a model goes through these two context managers, so the
+Everything in camviz that touches a model goes through these context managers, so the
 promise "no hook left behind, same train/eval flags" is kept in one place.
+
+:func:`exclusive` serialises the calls that hook a model: two threads that explain with
+one shared model (a web service) take turns, because the hooks of one call would see the
+other's forward pass and the train/eval flags one call restores would change the other's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from collections.abc import Iterator
 
 from torch import nn
@@ -43,6 +49,23 @@ class HookSet:
 
     def __exit__(self, *exc_info: object) -> None:
         self.remove()
+
+
+_locks: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_locks_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def exclusive(model: nn.Module) -> Iterator[nn.Module]:
+    """Hold ``model`` for this thread while the block runs; other threads wait their turn.
+
+    Re-entrant: a call that holds the model may call another that takes it again. For
+    parallel work, give each thread its own copy of the model (``copy.deepcopy``).
+    """
+    with _locks_guard:
+        lock = _locks.setdefault(model, threading.RLock())
+    with lock:
+        yield model
 
 
 @contextlib.contextmanager

@@ -444,16 +444,19 @@ def _read_checkpoint(path: Path) -> Any:
         except Exception as error:  # safetensors raises its own error types
             raise CamvizError(f"{path} is not a readable safetensors file ({error})") from None
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's multi-line advice to drop weights_only
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        pickled = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
-        if pickled:
-            raise CamvizError(
-                f"{path} pickles a whole {pickled.group(1)} object, which camviz does not "
-                "load (unpickling can run arbitrary code); save `model.state_dict()` instead: "
-                "torch.save(model.state_dict(), PATH)"
-            ) from None
-        raise CamvizError(_not_a_checkpoint(path, error)) from None
+        # torch names what the file would have run or built: "GLOBAL posix.system".
+        pickled = re.search(r"GLOBAL (\S+)", str(error))
+        if pickled is None:  # not a pickle at all
+            raise CamvizError(_not_a_checkpoint(path, error)) from None
+        raise CamvizError(
+            f"{path} is not a plain state_dict (it pickles {pickled.group(1)}); camviz loads "
+            "weights only, for safety (unpickling anything else can run code), so save one "
+            "with torch.save(model.state_dict(), PATH)"
+        ) from None
     except PermissionError:
         raise CamvizError(f"cannot read {path}: permission denied; check its permissions") from None
     except Exception as error:  # torch.load fails on foreign files with many error types

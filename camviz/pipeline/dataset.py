@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ from camviz.core.targets import Target, as_logits, class_name
 from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
 from camviz.io.models import LoadedModel
 from camviz.io.video import FrameReader
-from camviz.pipeline.inputs import Item, expand
+from camviz.pipeline.inputs import Item, expand, not_a_regular_file
 
 #: How many predictions each result keeps, best first.
 TOP_PREDICTIONS = 5
@@ -120,8 +120,10 @@ class ItemDataset(Dataset):
 
     def __getitem__(self, index: int) -> Image.Image:
         item = self.items[index]
-        if item.reason is not None:
-            raise CamvizError(item.reason)
+        # A file may have been replaced by a FIFO since the inputs were listed.
+        reason = item.reason or not_a_regular_file(item.path)
+        if reason is not None:
+            raise CamvizError(reason)
         if item.frame is not None:
             return self._frames.read(item.path, item.frame)
         return load_image(item.path, max_pixels=self.max_pixels)
@@ -157,8 +159,7 @@ class _Prepared(Dataset):
         self.keep_images = keep_images
 
     def __len__(self) -> int:
-        # torch's Dataset leaves __len__ to its subclasses; map-style datasets define it.
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(cast(Sized, self.dataset))
 
     def __getitem__(self, index: int) -> _Sample:
         started = time.perf_counter()
@@ -265,9 +266,8 @@ def explain_dataset(
         if not items:
             raise CamvizError("no image or video found in the inputs; check the paths")
         data = ItemDataset(items, max_pixels=max_pixels)
-    items = data.items if isinstance(data, ItemDataset) else None
-    # A map-style Dataset has a length (torch's Dataset type leaves __len__ to subclasses).
-    order = list(range(len(data))) if indices is None else list(indices)  # type: ignore[arg-type]
+    known = data.items if isinstance(data, ItemDataset) else None
+    order = list(range(len(cast(Sized, data)))) if indices is None else list(indices)
     explainer = _BatchExplainer(network, categories, method, layer, target, options)
     loader = DataLoader(
         _Prepared(data, preprocess, keep_images),
@@ -276,7 +276,7 @@ def explain_dataset(
         num_workers=workers,
         collate_fn=list,
     )
-    return _explained(loader, explainer, items, batch_size, len(order), progress)
+    return _explained(loader, explainer, known, batch_size, len(order), progress)
 
 
 def _explained(
@@ -315,9 +315,9 @@ def _explained(
     finally:
         bar.close()
         del batches  # shuts the workers down, also when the consumer stops early
-        assert isinstance(loader.dataset, _Prepared)
-        if isinstance(loader.dataset.dataset, ItemDataset):
-            loader.dataset.dataset.close()
+        prepared = loader.dataset
+        if isinstance(prepared, _Prepared) and isinstance(prepared.dataset, ItemDataset):
+            prepared.dataset.close()
 
 
 class _Buckets:
@@ -412,8 +412,12 @@ class _BatchExplainer:
         targets = explanation.targets.tolist()
         scores = explanation.scores.tolist()
         heatmaps = explanation.heatmaps.detach().cpu()
+        finite = _finite_per_sample(logits, explanation.scores, heatmaps, len(samples))
         results = []
         for position, sample in enumerate(samples):
+            if not finite[position]:
+                results.append(_failed(sample, _NOT_FINITE, items))
+                continue
             rows = range(position * ranks, (position + 1) * ranks)
             explained = [
                 Prediction(
@@ -463,6 +467,24 @@ class _BatchExplainer:
 
     def _name(self, class_id: int) -> str:
         return class_name(self.categories, class_id)
+
+
+_NOT_FINITE = (
+    "the model's output or the map is not finite (NaN or Inf) for this input; check the "
+    "weights (`camviz inspect` names the first layer that makes a NaN)"
+)
+
+
+def _finite_per_sample(
+    logits: torch.Tensor, scores: torch.Tensor, heatmaps: torch.Tensor, count: int
+) -> list[bool]:
+    """Whether each sample's output, explained scores and maps are all finite numbers."""
+    finite = torch.ones(count, dtype=torch.bool)
+    for values in (logits, scores, heatmaps):
+        if values.dim() > 0 and values.shape[0] % count == 0:
+            per_sample = values.detach().cpu().reshape(count, -1)
+            finite &= torch.isfinite(per_sample).all(dim=1)
+    return finite.tolist()
 
 
 def _failed(sample: _Sample, reason: str, items: list[Item] | None) -> ImageResult:
