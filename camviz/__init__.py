@@ -37,6 +37,7 @@ _EXPORTS = {
     "Nearest": "camviz.core.targets:Nearest",
     "Preprocess": "camviz.io.images:Preprocess",
     "Region": "camviz.core.targets:Region",
+    "RowTarget": "camviz.core.targets:RowTarget",
     "TopK": "camviz.core.targets:TopK",
     "capture": "camviz.core.hooks:capture",
     "channel_grid": "camviz.io.render:channel_grid",
@@ -106,6 +107,7 @@ if TYPE_CHECKING:
     from camviz.core.targets import Contrast as Contrast
     from camviz.core.targets import Nearest as Nearest
     from camviz.core.targets import Region as Region
+    from camviz.core.targets import RowTarget as RowTarget
     from camviz.core.targets import TopK as TopK
     from camviz.debug import edits as edits
     from camviz.debug.extraction import features as features

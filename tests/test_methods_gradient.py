@@ -14,6 +14,7 @@ And every method hands the model back exactly as it came.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -262,6 +263,52 @@ def test_guided_backprop_gradients_for_every_way_of_writing_a_relu(rectifier, ti
     assert (guided - plain).abs().max() > 1e-3
     if upper is not None:
         assert (known["z"] > upper).any(), "some units must be clamped at the top"
+
+
+def silu_slope(z: torch.Tensor) -> torch.Tensor:
+    sigma = torch.sigmoid(z)
+    return sigma * (1 + z * (1 - sigma))
+
+
+def gelu_slope(z: torch.Tensor) -> torch.Tensor:
+    cdf = 0.5 * (1 + torch.erf(z / math.sqrt(2)))
+    return cdf + z * torch.exp(-(z**2) / 2) / math.sqrt(2 * math.pi)
+
+
+def hardswish_slope(z: torch.Tensor) -> torch.Tensor:
+    return torch.where(z < -3, 0.0, torch.where(z > 3, 1.0, (2 * z + 3) / 6))
+
+
+SMOOTH_ACTIVATIONS = {
+    "nn.SiLU": (nn.SiLU(), silu_slope),
+    "nn.SiLU inplace": (nn.SiLU(inplace=True), silu_slope),
+    "nn.GELU": (nn.GELU(), gelu_slope),
+    "nn.Hardswish": (nn.Hardswish(), hardswish_slope),
+}
+
+
+@pytest.mark.parametrize("activation", list(SMOOTH_ACTIVATIONS))
+def test_guided_backprop_through_smooth_activations_passes_positive_gradients_where_x_is_positive(
+    activation, tiny_inputs
+):
+    # dL/dz = ReLU(dL/dy) * f'(z) * 1[z > 0], against the derivatives written out by hand.
+    function, slope = SMOOTH_ACTIVATIONS[activation]
+    model = TinyNet(function)
+    known = closed_form(model, tiny_inputs, CLASSES)
+    z, heads = known["z"], known["V"]
+
+    def to_input(grad_z: torch.Tensor) -> torch.Tensor:
+        grad_conv = grad_z * known["scale"].view(1, -1, 1, 1)
+        return F.conv_transpose2d(grad_conv, model.conv.weight, stride=2, padding=1)
+
+    def score(logits):
+        return logits[torch.arange(2), torch.as_tensor(CLASSES)]
+
+    guided = input_gradients(model, tiny_inputs, score, guided=True)
+    plain = input_gradients(model, tiny_inputs, score)
+    torch.testing.assert_close(guided, to_input(torch.relu(heads) * slope(z) * (z > 0)))
+    torch.testing.assert_close(plain, to_input(heads * slope(z)))
+    assert (guided - plain).abs().max() > 1e-2
 
 
 def test_guided_relus_are_undone_when_the_forward_pass_fails():

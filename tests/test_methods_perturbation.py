@@ -477,3 +477,47 @@ def test_sscam_matches_torchcam(resnet18, peer_batch, untouched):
     ) as extractor:
         (torchcam_maps,) = extractor([3, 7], resnet18(peer_batch))
     torch.testing.assert_close(result.layer_maps, torchcam_maps, rtol=0, atol=5e-2)
+
+
+PER_SAMPLE = torch.tensor([0, 2, 1])
+# Chunk sizes that make a chunk of re-run rows as long as the batch of 3 (Ablation-CAM's
+# first chunk carries an extra unablated row).
+BATCH_OF_THREE = [("scorecam", 3), ("ablationcam", 2)]
+
+
+@pytest.mark.parametrize(("method", "batch_size"), BATCH_OF_THREE)
+def test_a_target_that_takes_rows_scores_each_row_for_its_own_input(
+    method, batch_size, tiny_inputs
+):
+    model = TinyNet()
+    by_class = camviz.explain(
+        model, tiny_inputs, method, layer="features", target=PER_SAMPLE, batch_size=batch_size
+    )
+    by_rows = camviz.explain(
+        model,
+        tiny_inputs,
+        method,
+        layer="features",
+        target=lambda out, rows: out[torch.arange(len(rows)), PER_SAMPLE[rows]],
+        batch_size=batch_size,
+    )
+    torch.testing.assert_close(by_rows.layer_maps, by_class.layer_maps)
+    torch.testing.assert_close(by_rows.scores, by_class.scores)
+
+
+# Ablation-CAM warns that it retries without its shortcut before the error.
+@pytest.mark.filterwarnings("ignore:ablationcam. the layers after")
+@pytest.mark.parametrize(("method", "batch_size"), BATCH_OF_THREE)
+def test_a_one_argument_per_sample_callable_is_refused_not_misread(method, batch_size, tiny_inputs):
+    def per_sample(out: torch.Tensor) -> torch.Tensor:
+        return out[torch.arange(len(out)), PER_SAMPLE]
+
+    with pytest.raises(CamvizError, match="or take the rows, fn\\(output, rows\\)"):
+        camviz.explain(
+            TinyNet(),
+            tiny_inputs,
+            method,
+            layer="features",
+            target=per_sample,
+            batch_size=batch_size,
+        )

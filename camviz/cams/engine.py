@@ -38,10 +38,11 @@ from camviz.cams.layout import as_spatial, layout_of, patch_size
 from camviz.cams.registry import create
 from camviz.core.batch import as_batch
 from camviz.core.errors import CamvizError
+from camviz.core.finite import first_nonfinite_layer, is_finite
 from camviz.core.hooks import detach_to, edit
 from camviz.core.layers import Layer, default_target_layer, resolve_layers
 from camviz.core.maps import normalize, upsample
-from camviz.core.modelstate import eval_mode, exclusive
+from camviz.core.modelstate import eval_mode, exclusive, uncompiled
 from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 
 Fuse = Literal["mean", "max", "product"]
@@ -250,7 +251,9 @@ def explain(
 
     Args:
         model: Any ``nn.Module`` classifier (or a model with a ``target`` callable). It is
-            used in eval mode for the call and handed back exactly as it came.
+            used in eval mode for the call and handed back exactly as it came. For a
+            ``torch.compile`` model the original module inside it is explained (layer names
+            are that module's).
         inputs: ``(N, C, H, W)`` batch, or one ``(C, H, W)`` image, already preprocessed.
             Moved to the model's device.
         method: A registry name (:func:`camviz.cams.names`) or a method instance.
@@ -261,6 +264,10 @@ def explain(
         target: What to explain; see :mod:`camviz.core.targets` (class id, list of ids, ``None``
             for top-1, ``"top3"``, :class:`~camviz.core.targets.Region`,
             :class:`~camviz.core.targets.Contrast`, or a callable ``output -> (N,) scores``).
+            Methods that re-run the model score batches whose rows come from any input; a
+            callable that holds per-input data must take the rows,
+            ``(output, rows) -> (R,) scores`` with ``rows[r]`` the input of row ``r``
+            (:class:`~camviz.core.targets.RowTarget`).
         output_key: For models whose output is a tuple or dict: where the logits are.
         fuse: How maps of several layers combine (``"mean"``, ``"max"`` or ``"product"``):
             each layer's normalised map is upsampled to the input size, then the mean, the
@@ -281,10 +288,17 @@ def explain(
         An :class:`Explanation`.
 
     Raises:
-        CamvizError: A bad layer name, target, input shape or method name.
+        CamvizError: A bad layer name, target, input shape or method name; NaN or Inf in
+            the model's scores or activations (the message names the first layer that
+            output them); all-zero maps at a default layer that the score does not depend on.
 
     Two threads calling this with one model take turns (see the module docstring).
     """
+    if not isinstance(method, (str, CamMethod)):
+        raise CamvizError(
+            f"method must be a method name (camviz.cams.names()) or a CamMethod, not "
+            f"{type(method).__name__} {method!r}"
+        )
     if isinstance(method, str):
         cam = create(method, **options)
     elif options:
@@ -294,6 +308,7 @@ def explain(
         )
     else:
         cam = method
+    model = uncompiled(model)
     fuse = _fusion(cam, fuse)
     target = cam.explained_target(target)
     scales = _aug_scales(aug_smooth, target)
@@ -309,7 +324,10 @@ def explain(
             output_key=output_key,
             hessian=cam.uses_hessian,
         )
+        _check_finite(model, inputs, recorded)
         maps_by_layer = _layer_maps(cam, model, inputs, recorded)
+        if layer is None:
+            _check_default_layer(model, inputs, maps_by_layer, recorded, target, output_key)
         full_size = {
             name: upsample(maps, inputs.shape[-2:]) for name, maps in maps_by_layer.items()
         }
@@ -391,11 +409,73 @@ def _layer_maps(
     maps_by_layer = {}
     for name in recorded.activations:
         ranks = layer_data(model, inputs, recorded, name)
+        if not len(inputs):  # an empty batch: no maps, and nothing for a method to do
+            activations = ranks[0].activations
+            maps_by_layer[name] = activations.new_zeros(0, *activations.shape[-2:])
+            continue
         with torch.no_grad():
             per_rank = cam.rank_maps(ranks)
         maps = torch.stack(per_rank, dim=1).flatten(0, 1)
+        if not is_finite(maps):
+            raise CamvizError(
+                f"{cam.name} gave NaN or Inf maps at layer {name!r} from finite activations "
+                "and scores; try another method or layer"
+            )
         maps_by_layer[name] = normalize(torch.relu(maps))
     return maps_by_layer
+
+
+def _check_finite(model: nn.Module, inputs: torch.Tensor, recorded: LayerPass) -> None:
+    """NaN or Inf in what the pass recorded is an error: the maps would be zeros."""
+    forward = [("explained scores", recorded.scores)] + [
+        (f"activations of layer {name!r}", values) for name, values in recorded.activations.items()
+    ]
+    bad = [what for what, values in forward if not is_finite(values)]
+    if bad:
+        first = first_nonfinite_layer(model, inputs)
+        source = (
+            f"layer {first!r} is the first to output NaN or Inf"
+            if first is not None
+            else "every layer's output is finite, so the target computes them"
+        )
+        raise CamvizError(
+            f"the {bad[0]} hold NaN or Inf: {source}; camviz.find_first_nonfinite(model, "
+            "inputs) says why"
+        )
+    for name, per_rank in recorded.gradients.items():
+        if not all(is_finite(gradients) for gradients in per_rank):
+            raise CamvizError(
+                f"the gradients at layer {name!r} hold NaN or Inf although the forward pass is "
+                "finite (the backward pass overflowed); explain in float32 or pick another layer"
+            )
+
+
+def _check_default_layer(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    maps_by_layer: dict[str, torch.Tensor],
+    recorded: LayerPass,
+    target: Target,
+    output_key: str | int | None,
+) -> None:
+    """All-zero maps at a layer camviz chose, because the score does not depend on it, are
+    an error: the user never named that layer."""
+    ((name, maps),) = maps_by_layer.items()
+    if not len(maps) or bool(maps.any()):
+        return
+    gradients = recorded.gradients.get(name)
+    if gradients is None:  # a method without gradients: take them now, in this rare case
+        try:
+            with_gradients = layer_pass(model, inputs, [name], target, output_key=output_key)
+        except CamvizError:  # no autograd path from the layer to the score
+            with_gradients = None
+        gradients = with_gradients.gradients[name] if with_gradients else []
+    if any(bool(values.any()) for values in gradients):
+        return  # the score depends on the layer: the maps say "no positive evidence"
+    raise CamvizError(
+        f"all maps are zero: the explained score does not depend on the default layer {name!r}; "
+        "pass layer=NAME (`camviz layers` lists them)"
+    )
 
 
 def _fusion(cam: CamMethod, fuse: Fuse | None) -> Fuse:

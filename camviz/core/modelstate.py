@@ -76,9 +76,23 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     in eval inside a model in train mode), and those must come back unchanged.
     """
     modes = [(module, module.training) for module in model.modules()]
-    model.eval()
     try:
+        model.eval()  # inside the try: a module whose train() raises leaves the others set
         yield model
     finally:
         for module, training in modes:
             module.training = training
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module inside a ``torch.compile`` wrapper, or ``model`` itself.
+
+    Code compiled before camviz adds its hooks does not run them (a compiled model called
+    once under ``no_grad`` keeps that graph), so camviz hooks and runs the original module,
+    which shares the wrapper's parameters. Layer names are then the original module's
+    (``"layer4"``, not ``"_orig_mod.layer4"``).
+    """
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        return inner
+    return model
