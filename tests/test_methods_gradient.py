@@ -176,14 +176,15 @@ def test_smooth_gradcam_pp_averages_derivatives_over_seeded_noise(tiny_inputs):
         noise=noise,
         seed=seed,
     )
-    # The same draws: one standard normal batch per sample from a generator seeded alike,
-    # scaled by noise * (max - min) of each image.
-    generator = torch.Generator().manual_seed(seed)
+    # The same draws: each image draws one standard normal image per noisy copy from its own
+    # generator seeded alike, scaled by noise * (max - min) of the image.
+    generators = [torch.Generator().manual_seed(seed) for _ in tiny_inputs]
     low, high = tiny_inputs.flatten(1).aminmax(dim=1)
     sigma = (noise * (high - low)).view(-1, 1, 1, 1)
     open_fraction = torch.zeros(2, 4, 5, 5)
     for _ in range(samples):
-        noisy = tiny_inputs + sigma * torch.randn(tiny_inputs.shape, generator=generator)
+        draws = [torch.randn(tiny_inputs.shape[1:], generator=g) for g in generators]
+        noisy = tiny_inputs + sigma * torch.stack(draws)
         open_fraction += (closed_form(model, noisy, CLASSES)["z"] > 0).float() / samples
     assert ((open_fraction > 0) & (open_fraction < 1)).any(), "the noise must flip some units"
     # dy/dz = V * 1[z > 0] at each noisy input, so D_p = V^p * (fraction of draws open),
