@@ -65,6 +65,8 @@ def _model_state(model: nn.Module) -> dict:
         "modules": [
             (
                 name,
+                type(module),
+                getattr(module, "inplace", None),
                 module.training,
                 len(module._forward_hooks),
                 len(module._forward_pre_hooks),
@@ -88,7 +90,7 @@ def _model_state(model: nn.Module) -> dict:
 
 
 def _assert_same_state(before: dict, after: dict) -> None:
-    assert after["modules"] == before["modules"], "hooks or train/eval flags changed"
+    assert after["modules"] == before["modules"], "modules, hooks or train/eval flags changed"
     for old, new in zip(before["parameters"], after["parameters"], strict=True):
         assert old[0] == new[0]
         assert old[1] == new[1], f"requires_grad of {old[0]} changed"
@@ -96,6 +98,7 @@ def _assert_same_state(before: dict, after: dict) -> None:
         assert old[2] is None or torch.equal(old[2], new[2]), f".grad of {old[0]} changed"
         assert old[3:] == new[3:], f"tensor hooks left on {old[0]}"
     for key, value in before["values"].items():
+        assert value.dtype == after["values"][key].dtype, f"dtype of {key} changed"
         assert torch.equal(value, after["values"][key]), f"{key} changed"
 
 
@@ -103,8 +106,9 @@ def _assert_same_state(before: dict, after: dict) -> None:
 def untouched():
     """``with untouched(model): ...`` fails if the block leaves any trace on the model.
 
-    Checked: hooks on every module and parameter, train/eval flags, ``requires_grad``,
-    ``.grad``, and every parameter and buffer value (BatchNorm running statistics too).
+    Checked: the modules (type, ``inplace`` flag, train/eval flag, hooks), hooks on every
+    parameter, ``requires_grad``, ``.grad``, and every parameter and buffer's dtype and value
+    (BatchNorm running statistics too).
     """
 
     @contextlib.contextmanager

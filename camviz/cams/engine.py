@@ -60,8 +60,9 @@ class Explanation:
     Attributes:
         heatmaps: ``(M, H, W)`` float maps at the input's size, min-max normalised there
             (the hottest pixel is 1; a map with no evidence is all zeros).
-        layer_maps: ``(M, h, w)`` maps at the (first) target layer's resolution, after ReLU
-            and per-map min-max normalisation; an all-zero map stays zero.
+        layer_maps: ``(M, h, w)`` maps at the (first) target layer's resolution (at the
+            input's for methods with ``input_resolution``), after ReLU and per-map min-max
+            normalisation; an all-zero map stays zero.
         maps_by_layer: ``{layer: (M, h, w)}`` for every target layer.
         targets: ``(M,)`` explained class ids (``-1`` when the target was a callable).
         scores: ``(M,)`` explained scores (logits) from the forward pass.

@@ -208,6 +208,7 @@ class VanillaGradients(CamMethod):
         "Classification Models and Saliency Maps, ICLR workshop 2014"
     )
     needs = "input gradients"
+    input_resolution = True
     uses_gradients = False
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
@@ -244,6 +245,7 @@ class GuidedBackprop(CamMethod):
         "ICLR workshop 2015"
     )
     needs = "input gradients through guided ReLUs"
+    input_resolution = True
     uses_gradients = False
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
@@ -268,6 +270,7 @@ class GuidedGradCAM(CamMethod):
     name = "guided_gradcam"
     paper = GradCAM.paper
     needs = "gradients, and input gradients through guided ReLUs"
+    input_resolution = True
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
         cam = upsample(torch.relu(GradCAM().layer_map(data)), data.inputs.shape[-2:])
