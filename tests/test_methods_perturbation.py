@@ -459,8 +459,9 @@ def test_iscam_matches_torchcam(tiny_inputs, untouched):
 
 @pytest.mark.peers
 def test_sscam_matches_torchcam(resnet18, peer_batch, untouched):
-    """Tolerance 5e-2 (measured 9e-3): besides the mask order of Score-CAM, each library
-    draws its own noise, so with 4 draws the averaged scores differ a little."""
+    """Tolerance 5e-2 (measured up to 1.3e-2 over three seeds): besides the mask order of
+    Score-CAM, each library draws its own noise, so with 2 draws the averaged scores differ a
+    little."""
     from torchcam.methods import SSCAM as TorchcamSSCAM  # noqa: N811 - named after its library
 
     with untouched(resnet18):
@@ -470,13 +471,13 @@ def test_sscam_matches_torchcam(resnet18, peer_batch, untouched):
             "sscam",
             layer="layer1",
             target=[3, 7],
-            num_samples=4,
+            num_samples=2,
             std=0.2,
             seed=0,
         )
     torch.manual_seed(5)
     with TorchcamSSCAM(
-        resnet18, "layer1", input_shape=(3, 64, 64), num_samples=4, std=0.2
+        resnet18, "layer1", input_shape=(3, 64, 64), num_samples=2, std=0.2
     ) as extractor:
         (torchcam_maps,) = extractor([3, 7], resnet18(peer_batch))
     torch.testing.assert_close(result.layer_maps, torchcam_maps, rtol=0, atol=5e-2)
