@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from PIL import Image
-from reference import leaf_activations_and_gradients, principal_projection
+from reference import leaf_activations_and_gradients, min_max, principal_projection
 from torch import nn
 
 import camviz
@@ -101,13 +101,6 @@ def closed_form(model: TinyNet, x: torch.Tensor, classes, upper: float | None = 
         }
 
 
-def minmax(maps: torch.Tensor) -> torch.Tensor:
-    flat = maps.flatten(1)
-    low = flat.min(dim=1, keepdim=True).values
-    high = flat.max(dim=1, keepdim=True).values
-    return ((flat - low) / (high - low)).view_as(maps)
-
-
 # --- The papers' formulas, written out ----------------------------------------------------
 
 
@@ -149,7 +142,7 @@ def test_layer_methods_equal_the_paper_formula(method, tiny_inputs):
     model = TinyNet()
     known = closed_form(model, tiny_inputs, CLASSES)
     result = camviz.explain(model, tiny_inputs, method=method, layer="norm", target=CLASSES)
-    expected = minmax(torch.relu(PAPER_FORMULAS[method](known["z"], known["grad_z"])))
+    expected = min_max(torch.relu(PAPER_FORMULAS[method](known["z"], known["grad_z"])))
     torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
 
 
@@ -182,7 +175,7 @@ def test_smooth_gradcam_pp_averages_derivatives_over_seeded_noise(tiny_inputs):
     known = closed_form(model, tiny_inputs, CLASSES)
     moments = [known["V"] ** p * open_fraction for p in (1, 2, 3)]
     formula = gradcam_pp(known["z"], None, moments)
-    torch.testing.assert_close(result.layer_maps, minmax(torch.relu(formula)))
+    torch.testing.assert_close(result.layer_maps, min_max(torch.relu(formula)))
     plain = camviz.explain(model, tiny_inputs, method="gradcam++", layer="norm", target=CLASSES)
     assert (result.layer_maps - plain.layer_maps).abs().max() > 1e-2
 
@@ -359,7 +352,7 @@ def expected_input_map(method: str, model: TinyNet, x: torch.Tensor) -> torch.Te
 def test_input_gradient_methods_equal_the_paper_formula(method, tiny_inputs):
     model = TinyNet()
     result = camviz.explain(model, tiny_inputs, method=method, layer="norm", target=CLASSES)
-    expected = minmax(expected_input_map(method, model, tiny_inputs))
+    expected = min_max(expected_input_map(method, model, tiny_inputs))
     assert result.layer_maps.shape == (2, 9, 9)
     torch.testing.assert_close(result.layer_maps, expected)
     torch.testing.assert_close(result.heatmaps, expected)
@@ -422,7 +415,7 @@ def pytorch_grad_cam_maps(peer_class, model, inputs, layer, classes, **options):
 def renormalised(result) -> torch.Tensor:
     # pytorch-grad-cam min-max normalises again after resizing; camviz normalises at the
     # layer's resolution only, so a peak between two layer cells stays a little below 1.
-    return minmax(result.heatmaps)
+    return min_max(result.heatmaps)
 
 
 @pytest.mark.peers
@@ -550,7 +543,7 @@ def test_torchcam_gradcam_pp_leaves_alpha_at_g_squared(resnet18, small_batch):
     recorded = layer_pass(resnet18, small_batch, ["layer4"], [3, 7])
     a, g = recorded.activations["layer4"], recorded.gradients["layer4"][0]
     # torchcam 0.5 divides a boolean-indexed copy of alpha, so alpha stays g^2 ...
-    without_division = minmax(
+    without_division = min_max(
         torch.relu(((g**2 * torch.relu(g)).sum((2, 3), keepdim=True) * a).sum(1))
     )
     torch.testing.assert_close(theirs, without_division, atol=1e-3, rtol=0)
@@ -588,7 +581,7 @@ def test_correct_on_a_layer_whose_output_is_changed_in_place(resnet18, small_bat
     result = camviz.explain(
         resnet18, small_batch, method=method, layer="layer4.1.bn2", target=[3, 7]
     )
-    expected = minmax(torch.relu(PAPER_FORMULAS[method](a, g)))
+    expected = min_max(torch.relu(PAPER_FORMULAS[method](a, g)))
     torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
 
 
@@ -700,7 +693,7 @@ def test_eigen_smooth_is_the_principal_component_of_the_weighted_activations(met
     known = closed_form(model, tiny_inputs, CLASSES)
     result = camviz.explain(model, tiny_inputs, method, "norm", CLASSES, eigen_smooth=True)
     terms = WEIGHTED_ACTIVATIONS[method](known["z"], known["grad_z"])
-    expected = minmax(torch.relu(principal_projection(terms)))
+    expected = min_max(torch.relu(principal_projection(terms)))
     torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
     plain = camviz.explain(model, tiny_inputs, method, "norm", CLASSES)
     assert (plain.layer_maps - result.layer_maps).abs().max() > 0.05
@@ -710,7 +703,7 @@ def as_peer_map(raw: torch.Tensor, size) -> torch.Tensor:
     """ReLU, normalise, upsample, normalise: how both libraries turn a raw map into a heatmap."""
     from camviz.core.maps import normalize, upsample
 
-    return minmax(upsample(normalize(torch.relu(raw)), size))
+    return min_max(upsample(normalize(torch.relu(raw)), size))
 
 
 @pytest.mark.peers
@@ -747,7 +740,7 @@ def test_eigencam_without_centring_projects_on_the_top_singular_vector(tiny_inpu
     _, vectors = torch.linalg.eigh(observations.transpose(1, 2) @ observations)
     projection = (observations @ vectors[..., -1:]).squeeze(-1)
     projection = projection * torch.sign((projection * observations.sum(-1)).sum(-1, keepdim=True))
-    expected = minmax(torch.relu(projection.view(2, 5, 5).float()))
+    expected = min_max(torch.relu(projection.view(2, 5, 5).float()))
     result = camviz.explain(model, tiny_inputs, "eigencam", "norm", CLASSES, center=False)
     torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
     centred = camviz.explain(model, tiny_inputs, "eigencam", "norm", CLASSES)
@@ -770,7 +763,7 @@ def test_segeigencam_equals_the_paper_formula(tiny_inputs):
     model = TinyNet()
     known = closed_form(model, tiny_inputs, CLASSES)
     result = camviz.explain(model, tiny_inputs, "segeigencam", "norm", CLASSES)
-    expected = minmax(torch.relu(seg_eigen_projection(known["z"], known["grad_z"])))
+    expected = min_max(torch.relu(seg_eigen_projection(known["z"], known["grad_z"])))
     torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
 
 
@@ -794,7 +787,7 @@ def test_shapleycam_equals_the_paper_formula_after_a_smooth_activation(tiny_inpu
     gradient = heads * (1 - t**2)
     hessian_product = -2 * heads * t * (1 - t**2) * z
     weights = (gradient - 0.5 * hessian_product).mean(dim=(2, 3), keepdim=True)
-    expected = minmax(torch.relu((weights * z).sum(1)))
+    expected = min_max(torch.relu((weights * z).sum(1)))
     result = camviz.explain(model, tiny_inputs, "shapleycam", "norm", CLASSES)
     torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
     gradcam = camviz.explain(model, tiny_inputs, "gradcam", "norm", CLASSES)

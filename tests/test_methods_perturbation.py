@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
+from reference import min_max
 from torch import nn
 
 import camviz
@@ -73,13 +74,6 @@ class ConcatNet(ResidualNet):
         return self.head(both.mean(dim=(2, 3)))
 
 
-def normalised(maps: torch.Tensor) -> torch.Tensor:
-    """Min-max per map; a constant map becomes zeros."""
-    low = maps.flatten(1).amin(1).view(-1, 1, 1)
-    span = maps.flatten(1).amax(1).view(-1, 1, 1) - low
-    return torch.where(span > 0, (maps - low) / span, 0)
-
-
 def output_of(model: nn.Module, layer: str, inputs: torch.Tensor) -> torch.Tensor:
     with camviz.capture(model, layer) as seen, torch.no_grad():
         model(inputs)
@@ -124,7 +118,7 @@ def paper_scorecam(
         if not probability:
             alpha = torch.softmax(alpha, dim=0)
         maps.append(torch.relu(torch.einsum("k,khw->hw", alpha, activations[n])))
-    return normalised(torch.stack(maps))
+    return min_max(torch.stack(maps))
 
 
 def paper_ablationcam(model, inputs, layer, classes) -> torch.Tensor:
@@ -150,7 +144,7 @@ def paper_ablationcam(model, inputs, layer, classes) -> torch.Tensor:
                 finally:
                     handle.remove()
             maps.append(torch.relu(torch.einsum("k,khw->hw", torch.stack(weights), activations[n])))
-    return normalised(torch.stack(maps))
+    return min_max(torch.stack(maps))
 
 
 @pytest.fixture
