@@ -24,6 +24,25 @@ def coffee_path() -> Path:
     return ASSETS / "coffee.png"
 
 
+def tiny_vit() -> nn.Module:
+    """A random torchvision ViT for 32 px inputs: 8 px patches (a 4 x 4 grid), 2 blocks of
+    2 heads, 16 channels, 5 classes; eval mode. A new model each call."""
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(
+        image_size=32,
+        patch_size=8,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        mlp_dim=32,
+        num_classes=5,
+    )
+    nn.init.normal_(model.heads.head.weight)  # torchvision starts it at zero
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def resnet18() -> nn.Module:
     """A randomly initialised torchvision ResNet-18 (in-place ReLUs and ``+=``), eval mode."""

@@ -104,6 +104,7 @@ class SESS(Wrapper):
     paper = "Tyagi et al., SESS: Saliency Enhancing with Scaling and Sliding, ECCV 2022"
     needs = "its base method (default gradcam) on every window of several rescaled copies"
     default_base = "gradcam"
+    input_resolution = True
 
     def __init__(
         self,
