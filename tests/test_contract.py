@@ -6,7 +6,7 @@ its samples explained one by one; a top-k target gives one map per rank, best fi
 to explaining each rank's class; and the model comes back exactly as it came.
 
 Each method runs with its default options on the first tiny model it applies to (a CNN
-with 6 channels at the target layer and 24 px inputs; a vision transformer for the methods
+with 8 channels at the target layer and 24 px inputs; a vision transformer for the methods
 that need one), so the methods that pay a forward pass per channel stay fast.
 """
 
@@ -27,9 +27,9 @@ BATCH, CLASSES = 3, 5
 
 
 class ContractNet(nn.Module):
-    """stem (3x3 conv, stride 2) -> features (3x3 conv, stride 2, batch norm, in-place ReLU:
-    the target, 6 channels on a 6x6 grid from 24 px) -> mixer (3x3 conv, so that ``dy/dA``
-    varies across the grid) -> mean -> linear head, 5 classes."""
+    """stem (3x3 conv, stride 2) -> features (3x3 conv, stride 2, batch norm, in-place ReLU)
+    -> mixer (3x3 conv and ReLU: the target, 8 channels on a 6x6 grid from 24 px) -> global
+    average pooling -> linear head, 5 classes: the classic layout, which CAM needs."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -62,7 +62,7 @@ class Case:
     layer_size: int  # of the target layer's square grid
 
 
-CASES = [Case(ContractNet, "features", 24, 6), Case(tiny_vit, None, 32, 4)]
+CASES = [Case(ContractNet, "mixer", 24, 6), Case(tiny_vit, None, 32, 4)]
 
 
 def case_of(method: str) -> Case:
