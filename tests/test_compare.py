@@ -4,23 +4,22 @@ real headless browser (Debian's chromium) shows every image without a console me
 from __future__ import annotations
 
 import csv
+import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-import torch
-import torchvision
 from torchvision.utils import save_image
 
 import camviz
 from camviz.cli import main
-from camviz.evaluation.report import compare, write_report
-from camviz.io.images import Preprocess, load_image
 from camviz.evaluation.metrics import confidence, deletion, insertion
-from camviz.io.models import LoadedModel
+from camviz.evaluation.report import compare, write_report
 from camviz.evaluation.synthetic import CLASSES, TARGET_LAYER, load_model, make_dataset
+from camviz.io.images import Preprocess, load_image
+from camviz.io.models import LoadedModel
 
 STEPS = 5
 
@@ -45,14 +44,16 @@ def report(tmp_path_factory, synthetic_model):
     for index, image in enumerate(data.images):
         paths.append(folder / f"shape{index}.png")
         save_image(image, paths[-1])
-    comparison = compare(paths, synthetic_model, camviz.cams.names(), steps=STEPS, batch_size=7)
+    methods = camviz.cams.names(synthetic_model.model)
+    comparison = compare(paths, synthetic_model, methods, steps=STEPS, batch_size=7)
     written = write_report(comparison, folder / "out")
     return comparison, written, paths
 
 
 def test_every_cell_holds_the_metrics_of_its_map(report, synthetic_model):
     comparison, _, paths = report
-    assert comparison.methods == camviz.cams.names()
+    assert comparison.methods == camviz.cams.names(synthetic_model.model)
+    assert "legrad" in camviz.cams.names() and "legrad" not in comparison.methods
     assert len(comparison.cells) == 2 * len(comparison.methods)
     model = synthetic_model.model
     for image_index, path in enumerate(paths):
@@ -104,12 +105,17 @@ def test_the_page_is_self_contained(report):
 
 
 def chromium() -> str:
+    """Chromium's path; without it the test skips, or fails where CAMVIZ_REQUIRE_BROWSER=1
+    (CI sets it, so that the browser tests cannot silently stop running)."""
     path = shutil.which("chromium")
     if path is None:
-        pytest.fail(
+        missing = (
             "chromium is not installed, and the HTML report is checked in a real headless "
             "browser; install it with `apt-get install -y chromium` (Debian)"
         )
+        if os.environ.get("CAMVIZ_REQUIRE_BROWSER") == "1":
+            pytest.fail(missing)
+        pytest.skip(missing)
     return path
 
 
@@ -141,6 +147,7 @@ def open_in_browser(page: Path, profile: Path) -> tuple[str, str]:
     return completed.stdout, completed.stderr
 
 
+@pytest.mark.browser
 def test_a_headless_browser_shows_every_image_without_console_messages(report, tmp_path):
     comparison, written, _ = report
     dom, log = open_in_browser(written["report"], tmp_path / "profile")
@@ -151,6 +158,7 @@ def test_a_headless_browser_shows_every_image_without_console_messages(report, t
     assert console == []
 
 
+@pytest.mark.browser
 def test_clicking_a_column_header_sorts_the_summary(report, tmp_path):
     comparison, written, _ = report
     probe = """<script>
@@ -175,12 +183,9 @@ window.addEventListener("load", () => {
     assert ":CONSOLE" not in log
 
 
-def test_the_command_line(tmp_path, cat_path, capsys):
-    torch.manual_seed(0)
-    checkpoint = tmp_path / "resnet18.pt"
-    torch.save(torchvision.models.resnet18(num_classes=10).state_dict(), checkpoint)
+def test_the_command_line(tmp_path, cat_path, tiny_checkpoint, capsys):
     out = tmp_path / "out"
-    common = ["--model", "resnet18", "--weights", str(checkpoint), "--out", str(out)]
+    common = ["--model", "resnet18", "--weights", tiny_checkpoint, "--out", str(out)]
     status = main(["compare", str(cat_path), *common, "--methods", "gradcam", "--steps", "3"])
     assert status == 0
     assert sorted(path.name for path in out.iterdir()) == [

@@ -8,12 +8,14 @@ Each method is checked three ways:
 * on the shipped photos: in one picture holding the cat and the cup, the cat's map falls on
   the cat and the cup's on the cup.
 
-And every method hands the model back exactly as it came.
+What every method promises (sizes, batching, top-k, the model handed back as it came) is
+checked for each registered method in ``tests/test_contract.py``.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -21,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from PIL import Image
-from reference import leaf_activations_and_gradients
+from reference import leaf_activations_and_gradients, min_max, principal_projection
 from torch import nn
 
 import camviz
@@ -29,18 +31,7 @@ from camviz.cams.base import LayerData
 from camviz.cams.fullgrad import full_gradients
 from camviz.cams.guided import input_gradients
 
-LAYER_METHODS = [
-    "gradcam++",
-    "smooth_gradcam++",
-    "xgradcam",
-    "layercam",
-    "hirescam",
-    "gradcam_elementwise",
-    "eigencam",
-    "eigen_gradcam",
-]
 INPUT_METHODS = ["vanilla_gradients", "guided_backprop", "guided_gradcam", "fullgrad"]
-METHODS = LAYER_METHODS + INPUT_METHODS
 CLASSES = [0, 2]
 
 
@@ -110,13 +101,6 @@ def closed_form(model: TinyNet, x: torch.Tensor, classes, upper: float | None = 
         }
 
 
-def minmax(maps: torch.Tensor) -> torch.Tensor:
-    flat = maps.flatten(1)
-    low = flat.min(dim=1, keepdim=True).values
-    high = flat.max(dim=1, keepdim=True).values
-    return ((flat - low) / (high - low)).view_as(maps)
-
-
 # --- The papers' formulas, written out ----------------------------------------------------
 
 
@@ -135,17 +119,6 @@ def gradcam_pp(a, g, moments=None):
 def xgradcam(a, g):
     weights = (a / a.sum(dim=(2, 3), keepdim=True) * g).sum(dim=(2, 3), keepdim=True)
     return (weights * a).sum(1)
-
-
-def principal_projection(features):
-    """Projection on the top eigenvector of the covariance (eigh, not SVD), signed to
-    correlate with the channel sum."""
-    observations = features.double().flatten(2).transpose(1, 2)
-    centred = observations - observations.mean(1, keepdim=True)
-    _, vectors = torch.linalg.eigh(centred.transpose(1, 2) @ centred)
-    projection = (centred @ vectors[..., -1:]).squeeze(-1)
-    sign = torch.sign((projection * observations.sum(-1)).sum(-1, keepdim=True))
-    return (projection * sign).view(features.shape[0], *features.shape[2:]).float()
 
 
 PAPER_FORMULAS = {
@@ -169,7 +142,7 @@ def test_layer_methods_equal_the_paper_formula(method, tiny_inputs):
     model = TinyNet()
     known = closed_form(model, tiny_inputs, CLASSES)
     result = camviz.explain(model, tiny_inputs, method=method, layer="norm", target=CLASSES)
-    expected = minmax(torch.relu(PAPER_FORMULAS[method](known["z"], known["grad_z"])))
+    expected = min_max(torch.relu(PAPER_FORMULAS[method](known["z"], known["grad_z"])))
     torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
 
 
@@ -186,14 +159,15 @@ def test_smooth_gradcam_pp_averages_derivatives_over_seeded_noise(tiny_inputs):
         noise=noise,
         seed=seed,
     )
-    # The same draws: one standard normal batch per sample from a generator seeded alike,
-    # scaled by noise * (max - min) of each image.
-    generator = torch.Generator().manual_seed(seed)
+    # The same draws: each image draws one standard normal image per noisy copy from its own
+    # generator seeded alike, scaled by noise * (max - min) of the image.
+    generators = [torch.Generator().manual_seed(seed) for _ in tiny_inputs]
     low, high = tiny_inputs.flatten(1).aminmax(dim=1)
     sigma = (noise * (high - low)).view(-1, 1, 1, 1)
     open_fraction = torch.zeros(2, 4, 5, 5)
     for _ in range(samples):
-        noisy = tiny_inputs + sigma * torch.randn(tiny_inputs.shape, generator=generator)
+        draws = [torch.randn(tiny_inputs.shape[1:], generator=g) for g in generators]
+        noisy = tiny_inputs + sigma * torch.stack(draws)
         open_fraction += (closed_form(model, noisy, CLASSES)["z"] > 0).float() / samples
     assert ((open_fraction > 0) & (open_fraction < 1)).any(), "the noise must flip some units"
     # dy/dz = V * 1[z > 0] at each noisy input, so D_p = V^p * (fraction of draws open),
@@ -201,7 +175,7 @@ def test_smooth_gradcam_pp_averages_derivatives_over_seeded_noise(tiny_inputs):
     known = closed_form(model, tiny_inputs, CLASSES)
     moments = [known["V"] ** p * open_fraction for p in (1, 2, 3)]
     formula = gradcam_pp(known["z"], None, moments)
-    torch.testing.assert_close(result.layer_maps, minmax(torch.relu(formula)))
+    torch.testing.assert_close(result.layer_maps, min_max(torch.relu(formula)))
     plain = camviz.explain(model, tiny_inputs, method="gradcam++", layer="norm", target=CLASSES)
     assert (result.layer_maps - plain.layer_maps).abs().max() > 1e-2
 
@@ -275,6 +249,52 @@ def test_guided_backprop_gradients_for_every_way_of_writing_a_relu(rectifier, ti
         assert (known["z"] > upper).any(), "some units must be clamped at the top"
 
 
+def silu_slope(z: torch.Tensor) -> torch.Tensor:
+    sigma = torch.sigmoid(z)
+    return sigma * (1 + z * (1 - sigma))
+
+
+def gelu_slope(z: torch.Tensor) -> torch.Tensor:
+    cdf = 0.5 * (1 + torch.erf(z / math.sqrt(2)))
+    return cdf + z * torch.exp(-(z**2) / 2) / math.sqrt(2 * math.pi)
+
+
+def hardswish_slope(z: torch.Tensor) -> torch.Tensor:
+    return torch.where(z < -3, 0.0, torch.where(z > 3, 1.0, (2 * z + 3) / 6))
+
+
+SMOOTH_ACTIVATIONS = {
+    "nn.SiLU": (nn.SiLU(), silu_slope),
+    "nn.SiLU inplace": (nn.SiLU(inplace=True), silu_slope),
+    "nn.GELU": (nn.GELU(), gelu_slope),
+    "nn.Hardswish": (nn.Hardswish(), hardswish_slope),
+}
+
+
+@pytest.mark.parametrize("activation", list(SMOOTH_ACTIVATIONS))
+def test_guided_backprop_through_smooth_activations_passes_positive_gradients_where_x_is_positive(
+    activation, tiny_inputs
+):
+    # dL/dz = ReLU(dL/dy) * f'(z) * 1[z > 0], against the derivatives written out by hand.
+    function, slope = SMOOTH_ACTIVATIONS[activation]
+    model = TinyNet(function)
+    known = closed_form(model, tiny_inputs, CLASSES)
+    z, heads = known["z"], known["V"]
+
+    def to_input(grad_z: torch.Tensor) -> torch.Tensor:
+        grad_conv = grad_z * known["scale"].view(1, -1, 1, 1)
+        return F.conv_transpose2d(grad_conv, model.conv.weight, stride=2, padding=1)
+
+    def score(logits):
+        return logits[torch.arange(2), torch.as_tensor(CLASSES)]
+
+    guided = input_gradients(model, tiny_inputs, score, guided=True)
+    plain = input_gradients(model, tiny_inputs, score)
+    torch.testing.assert_close(guided, to_input(torch.relu(heads) * slope(z) * (z > 0)))
+    torch.testing.assert_close(plain, to_input(heads * slope(z)))
+    assert (guided - plain).abs().max() > 1e-2
+
+
 def test_guided_relus_are_undone_when_the_forward_pass_fails():
     class Failing(nn.Module):
         def forward(self, x):
@@ -332,7 +352,7 @@ def expected_input_map(method: str, model: TinyNet, x: torch.Tensor) -> torch.Te
 def test_input_gradient_methods_equal_the_paper_formula(method, tiny_inputs):
     model = TinyNet()
     result = camviz.explain(model, tiny_inputs, method=method, layer="norm", target=CLASSES)
-    expected = minmax(expected_input_map(method, model, tiny_inputs))
+    expected = min_max(expected_input_map(method, model, tiny_inputs))
     assert result.layer_maps.shape == (2, 9, 9)
     torch.testing.assert_close(result.layer_maps, expected)
     torch.testing.assert_close(result.heatmaps, expected)
@@ -378,55 +398,6 @@ def test_full_gradients_find_biases_inside_fused_norm_and_activation_layers():
     torch.testing.assert_close(total, score(model(x)).detach())
 
 
-# --- The model comes back as it came ------------------------------------------------------
-
-
-def state_of(model: nn.Module) -> dict:
-    return {
-        "training": [module.training for module in model.modules()],
-        "requires_grad": [p.requires_grad for p in model.parameters()],
-        "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
-        "hooks": [
-            len(hooks)
-            for module in model.modules()
-            for hooks in (
-                module._forward_hooks,
-                module._forward_pre_hooks,
-                module._backward_hooks,
-                module._backward_pre_hooks,
-            )
-        ],
-        "state": {name: value.clone() for name, value in model.state_dict().items()},
-        "rectifiers": [
-            (type(module), getattr(module, "inplace", None)) for module in model.modules()
-        ],
-    }
-
-
-def assert_same_state(before: dict, after: dict) -> None:
-    for key in ("training", "requires_grad", "hooks", "rectifiers"):
-        assert before[key] == after[key], key
-    for old, new in zip(before["grads"], after["grads"], strict=True):
-        assert (old is None and new is None) or torch.equal(old, new)
-    for name, value in before["state"].items():
-        assert torch.equal(value, after["state"][name]), name
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_the_model_is_handed_back_exactly_as_it_came(method, tiny_inputs):
-    model = TinyNet(nn.ReLU(inplace=True)).train()
-    model.norm.eval()  # a mixed-mode model must stay mixed
-    model.head.weight.requires_grad_(False)
-    model.conv.weight.grad = torch.ones_like(model.conv.weight)
-    before = state_of(model)
-    expected = camviz.explain(model, tiny_inputs, method, "norm", CLASSES)
-    assert_same_state(before, state_of(model))
-    with torch.no_grad():
-        again = camviz.explain(model, tiny_inputs, method, "norm", CLASSES)
-    assert_same_state(before, state_of(model))
-    torch.testing.assert_close(again.heatmaps, expected.heatmaps)
-
-
 # --- The peers, on a random ResNet-18 -----------------------------------------------------
 
 
@@ -444,9 +415,10 @@ def pytorch_grad_cam_maps(peer_class, model, inputs, layer, classes, **options):
 def renormalised(result) -> torch.Tensor:
     # pytorch-grad-cam min-max normalises again after resizing; camviz normalises at the
     # layer's resolution only, so a peak between two layer cells stays a little below 1.
-    return minmax(result.heatmaps)
+    return min_max(result.heatmaps)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize("layer", ["layer4", "layer3"])
 @pytest.mark.parametrize(
     ("method", "peer"),
@@ -469,6 +441,7 @@ def test_matches_pytorch_grad_cam(resnet18, small_batch, method, peer, layer):
     torch.testing.assert_close(renormalised(ours), theirs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.peers
 def test_gradcam_pp_matches_pytorch_grad_cam_up_to_its_epsilon(resnet18, small_batch):
     from pytorch_grad_cam import GradCAMPlusPlus
 
@@ -483,6 +456,7 @@ def test_gradcam_pp_matches_pytorch_grad_cam_up_to_its_epsilon(resnet18, small_b
     torch.testing.assert_close(renormalised(ours), theirs, atol=1e-4, rtol=0)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize(
     ("method", "peer"), [("eigencam", "EigenCAM"), ("eigen_gradcam", "EigenGradCAM")]
 )
@@ -514,6 +488,7 @@ def test_eigen_methods_match_pytorch_grad_cam_up_to_its_random_sign(
         torch.testing.assert_close(sign * projection, theirs_raw[sample], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.peers
 def test_fullgrad_matches_pytorch_grad_cam(resnet18, small_batch):
     from pytorch_grad_cam import FullGrad
 
@@ -523,6 +498,7 @@ def test_fullgrad_matches_pytorch_grad_cam(resnet18, small_batch):
     torch.testing.assert_close(renormalised(ours), theirs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.peers
 def test_guided_backprop_matches_pytorch_grad_cam(resnet18, small_batch):
     from pytorch_grad_cam import GuidedBackpropReLUModel
 
@@ -541,6 +517,7 @@ def test_guided_backprop_matches_pytorch_grad_cam(resnet18, small_batch):
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize(("method", "peer"), [("xgradcam", "XGradCAM"), ("layercam", "LayerCAM")])
 @pytest.mark.parametrize("layer", ["layer4", "layer3"])
 def test_matches_torchcam(resnet18, small_batch, method, peer, layer):
@@ -554,6 +531,7 @@ def test_matches_torchcam(resnet18, small_batch, method, peer, layer):
     torch.testing.assert_close(ours.layer_maps, theirs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.peers
 def test_torchcam_gradcam_pp_leaves_alpha_at_g_squared(resnet18, small_batch):
     from torchcam.methods import GradCAMpp
 
@@ -565,7 +543,7 @@ def test_torchcam_gradcam_pp_leaves_alpha_at_g_squared(resnet18, small_batch):
     recorded = layer_pass(resnet18, small_batch, ["layer4"], [3, 7])
     a, g = recorded.activations["layer4"], recorded.gradients["layer4"][0]
     # torchcam 0.5 divides a boolean-indexed copy of alpha, so alpha stays g^2 ...
-    without_division = minmax(
+    without_division = min_max(
         torch.relu(((g**2 * torch.relu(g)).sum((2, 3), keepdim=True) * a).sum(1))
     )
     torch.testing.assert_close(theirs, without_division, atol=1e-3, rtol=0)
@@ -574,6 +552,7 @@ def test_torchcam_gradcam_pp_leaves_alpha_at_g_squared(resnet18, small_batch):
     assert (ours.layer_maps - theirs).abs().max() > 0.1
 
 
+@pytest.mark.peers
 def test_smooth_gradcam_pp_matches_torchcam_as_the_noise_vanishes(resnet18, small_batch):
     from torchcam.methods import SmoothGradCAMpp
 
@@ -602,10 +581,11 @@ def test_correct_on_a_layer_whose_output_is_changed_in_place(resnet18, small_bat
     result = camviz.explain(
         resnet18, small_batch, method=method, layer="layer4.1.bn2", target=[3, 7]
     )
-    expected = minmax(torch.relu(PAPER_FORMULAS[method](a, g)))
+    expected = min_max(torch.relu(PAPER_FORMULAS[method](a, g)))
     torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.peers
 def test_pytorch_grad_cam_reads_the_overwritten_bn2_output(resnet18, small_batch):
     from pytorch_grad_cam import LayerCAM
 
@@ -692,5 +672,151 @@ def test_input_gradient_maps_move_towards_the_explained_object(offline_model, ca
     # both objects light up for any class), but the class still moves the mass.
     cat_share, cup_share = explain_cat_and_cup(offline_model, cat_and_cup, method)
     assert cat_share > cup_share + 0.05
-    state = state_of(offline_model.model)
-    assert not any(state["hooks"]) and all(grad is None for grad in state["grads"])
+
+
+# --- Options and second-order methods ------------------------------------------------------
+
+
+# The terms W^k (*) A^k whose channel sum is each channel-map method's map.
+WEIGHTED_ACTIVATIONS = {
+    "gradcam": lambda a, g: g.mean(dim=(2, 3), keepdim=True) * a,
+    "hirescam": lambda a, g: g * a,
+    "layercam": lambda a, g: torch.relu(g) * a,
+    "gradcam_elementwise": lambda a, g: torch.relu(g * a),
+    "xgradcam": lambda a, g: (a / a.sum(dim=(2, 3), keepdim=True) * g).sum((2, 3), True) * a,
+}
+
+
+@pytest.mark.parametrize("method", list(WEIGHTED_ACTIVATIONS))
+def test_eigen_smooth_is_the_principal_component_of_the_weighted_activations(method, tiny_inputs):
+    model = TinyNet()
+    known = closed_form(model, tiny_inputs, CLASSES)
+    result = camviz.explain(model, tiny_inputs, method, "norm", CLASSES, eigen_smooth=True)
+    terms = WEIGHTED_ACTIVATIONS[method](known["z"], known["grad_z"])
+    expected = min_max(torch.relu(principal_projection(terms)))
+    torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
+    plain = camviz.explain(model, tiny_inputs, method, "norm", CLASSES)
+    assert (plain.layer_maps - result.layer_maps).abs().max() > 0.05
+
+
+def as_peer_map(raw: torch.Tensor, size) -> torch.Tensor:
+    """ReLU, normalise, upsample, normalise: how both libraries turn a raw map into a heatmap."""
+    from camviz.core.maps import normalize, upsample
+
+    return min_max(upsample(normalize(torch.relu(raw)), size))
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize(
+    ("method", "peer", "layer"),
+    [("gradcam", "GradCAM", "layer4"), ("layercam", "LayerCAM", "layer3")],
+)
+def test_eigen_smooth_matches_pytorch_grad_cam_up_to_its_random_sign(
+    resnet18, small_batch, method, peer, layer
+):
+    import pytorch_grad_cam
+    from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
+
+    model = copy.deepcopy(resnet18)
+    module = dict(model.named_modules())[layer]
+    with getattr(pytorch_grad_cam, peer)(model=model, target_layers=[module]) as cam:
+        targets = [ClassifierOutputTarget(3), ClassifierOutputTarget(7)]
+        theirs = torch.from_numpy(cam(small_batch, targets=targets, eigen_smooth=True))
+    a, g = leaf_activations_and_gradients(resnet18, small_batch, layer, [3, 7])
+    data = LayerData(layer, a, g, resnet18, small_batch, None, None)
+    raw = camviz.cams.get(method)(eigen_smooth=True).layer_map(data)
+    ours = camviz.explain(resnet18, small_batch, method, layer, [3, 7], eigen_smooth=True)
+    torch.testing.assert_close(as_peer_map(raw, (64, 64)), renormalised(ours))
+    for sample in range(2):
+        # pytorch-grad-cam keeps the SVD's sign: its map is one of the two signed projections.
+        candidates = [as_peer_map(sign * raw[sample : sample + 1], (64, 64))[0] for sign in (1, -1)]
+        assert min((theirs[sample] - c).abs().max() for c in candidates) < 1e-4
+
+
+def test_eigencam_without_centring_projects_on_the_top_singular_vector(tiny_inputs):
+    model = TinyNet()
+    z = closed_form(model, tiny_inputs, CLASSES)["z"].double()
+    observations = z.flatten(2).transpose(1, 2)  # (N, h w, C), not centred
+    _, vectors = torch.linalg.eigh(observations.transpose(1, 2) @ observations)
+    projection = (observations @ vectors[..., -1:]).squeeze(-1)
+    projection = projection * torch.sign((projection * observations.sum(-1)).sum(-1, keepdim=True))
+    expected = min_max(torch.relu(projection.view(2, 5, 5).float()))
+    result = camviz.explain(model, tiny_inputs, "eigencam", "norm", CLASSES, center=False)
+    torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
+    centred = camviz.explain(model, tiny_inputs, "eigencam", "norm", CLASSES)
+    assert (centred.layer_maps - result.layer_maps).abs().max() > 0.05
+
+
+def seg_eigen_projection(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Seg-Eigen-CAM's equations 10-13: |g| * A, centred, its top principal direction (eigh),
+    the projection negated where its minimum is larger in size than its maximum."""
+    observations = (g.abs() * a).double().flatten(2).transpose(1, 2)
+    centred = observations - observations.mean(1, keepdim=True)
+    _, vectors = torch.linalg.eigh(centred.transpose(1, 2) @ centred)
+    projection = (centred @ vectors[..., -1:]).squeeze(-1)
+    flip = projection.amin(1).abs() > projection.amax(1).abs()
+    projection = torch.where(flip[:, None], -projection, projection)
+    return projection.view(a.shape[0], *a.shape[2:]).float()
+
+
+def test_segeigencam_equals_the_paper_formula(tiny_inputs):
+    model = TinyNet()
+    known = closed_form(model, tiny_inputs, CLASSES)
+    result = camviz.explain(model, tiny_inputs, "segeigencam", "norm", CLASSES)
+    expected = min_max(torch.relu(seg_eigen_projection(known["z"], known["grad_z"])))
+    torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("layer", ["layer4", "layer3"])
+def test_segeigencam_matches_pytorch_grad_cam(resnet18, small_batch, layer):
+    from pytorch_grad_cam import SegEigenCAM
+
+    theirs = pytorch_grad_cam_maps(SegEigenCAM, resnet18, small_batch, layer, [3, 7])
+    ours = camviz.explain(resnet18, small_batch, "segeigencam", layer=layer, target=[3, 7])
+    torch.testing.assert_close(renormalised(ours), theirs, atol=1e-5, rtol=0)
+
+
+def test_shapleycam_equals_the_paper_formula_after_a_smooth_activation(tiny_inputs):
+    # TinyNet with tanh: y_c = <V_c, tanh(z)> + b_c, so dy/dz = V (1 - t^2) and the Hessian
+    # is diagonal, V tanh''(z) = -2 V t (1 - t^2) with t = tanh(z): H z = -2 V t (1 - t^2) z.
+    model = TinyNet(torch.tanh)
+    known = closed_form(model, tiny_inputs, CLASSES)
+    z, heads = known["z"], known["V"]
+    t = torch.tanh(z)
+    gradient = heads * (1 - t**2)
+    hessian_product = -2 * heads * t * (1 - t**2) * z
+    weights = (gradient - 0.5 * hessian_product).mean(dim=(2, 3), keepdim=True)
+    expected = min_max(torch.relu((weights * z).sum(1)))
+    result = camviz.explain(model, tiny_inputs, "shapleycam", "norm", CLASSES)
+    torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
+    gradcam = camviz.explain(model, tiny_inputs, "gradcam", "norm", CLASSES)
+    assert (gradcam.layer_maps - result.layer_maps).abs().max() > 0.05
+
+
+def test_shapleycam_is_gradcam_where_the_later_layers_are_piecewise_linear(tiny_inputs):
+    model = TinyNet()  # ReLU after the target: H A = 0
+    shapley = camviz.explain(model, tiny_inputs, "shapleycam", "norm", CLASSES)
+    gradcam = camviz.explain(model, tiny_inputs, "gradcam", "norm", CLASSES)
+    torch.testing.assert_close(shapley.layer_maps, gradcam.layer_maps)
+
+
+@pytest.mark.peers
+def test_shapleycam_matches_pytorch_grad_cam(tiny_inputs, untouched):
+    from pytorch_grad_cam import ShapleyCAM
+
+    model = TinyNet(torch.tanh)
+    theirs = pytorch_grad_cam_maps(ShapleyCAM, model, tiny_inputs, "norm", CLASSES)
+    with untouched(model):
+        ours = camviz.explain(model, tiny_inputs, "shapleycam", layer="norm", target=CLASSES)
+    torch.testing.assert_close(renormalised(ours), theirs, atol=1e-5, rtol=0)
+
+
+def test_shapleycam_ranks_of_a_top_k_target_are_each_their_own_class(tiny_inputs):
+    # One pass serves every rank: the graph kept for the Hessian must serve them all.
+    model = TinyNet(torch.tanh)
+    ranked = camviz.explain(model, tiny_inputs, "shapleycam", "norm", "top2")
+    for rank in range(2):
+        classes = ranked.targets.view(2, 2)[:, rank]
+        alone = camviz.explain(model, tiny_inputs, "shapleycam", "norm", classes)
+        torch.testing.assert_close(ranked.layer_maps.view(2, 2, 5, 5)[:, rank], alone.layer_maps)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from camviz.evaluation import metrics
 from camviz.core.errors import CamvizError
+from camviz.evaluation import metrics
 
 # Pixel weights 1..16 in raster order: the logit of class 0 is sum_ij W_ij * x_ij.
 WEIGHTS = torch.arange(1.0, 17.0).view(4, 4)
@@ -26,19 +26,6 @@ def linear_model(weights: torch.Tensor = WEIGHTS, scale: float = 1.0) -> nn.Modu
 def sigmoid(value: float) -> float:
     """Softmax probability of class 0 when the logits are (value, 0)."""
     return 1 / (1 + math.exp(-value))
-
-
-def state_of(model: nn.Module) -> dict:
-    return {
-        "training": [module.training for module in model.modules()],
-        "requires_grad": [p.requires_grad for p in model.parameters()],
-        "grads": [p.grad for p in model.parameters()],
-        "weights": [p.detach().clone() for p in model.parameters()],
-        "hooks": sum(
-            len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-            for m in model.modules()
-        ),
-    }
 
 
 ONES = torch.ones(1, 1, 4, 4)
@@ -122,6 +109,25 @@ def test_batches_targets_and_batch_size_do_not_change_the_curves():
             steps=5, batch_size=1,
         )  # fmt: skip
         torch.testing.assert_close(together.scores[index : index + 1], alone.scores)
+
+
+def test_a_target_that_takes_rows_scores_each_perturbed_image_for_its_own_input():
+    # steps=2 gives 3 images per input: a batch of 3 rows can be all of one input.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16, 5)).eval()
+    images, maps = torch.randn(3, 3, 4, 4), torch.rand(3, 4, 4)
+    targets = torch.tensor([4, 0, 2])
+    by_class = metrics.deletion(model, images, maps, targets, steps=2, batch_size=3, score="logit")
+    by_rows = metrics.deletion(
+        model, images, maps, lambda out, rows: out[torch.arange(len(rows)), targets[rows]],
+        steps=2, batch_size=3, score="logit",
+    )  # fmt: skip
+    torch.testing.assert_close(by_rows.scores, by_class.scores)
+    with pytest.raises(CamvizError, match="or take the rows"):
+        metrics.deletion(
+            model, images, maps, lambda out: out[torch.arange(len(out)), targets],
+            steps=2, batch_size=3, score="logit",
+        )  # fmt: skip
 
 
 def test_confidence_average_drop_and_increase_by_hand():
@@ -245,23 +251,18 @@ def test_road_morf_and_lerf_remove_opposite_ends():
         torch.testing.assert_close(curve.scores, torch.tensor([[full, changed]]), rtol=1e-4, atol=0)
 
 
-def test_metrics_hand_the_model_back_as_it_came():
+def test_metrics_hand_the_model_back_as_it_came(untouched):
     model = nn.Sequential(
         nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Dropout(0.5), nn.Flatten(), nn.Linear(16, 3)
     )
     model.train()
     model[0].weight.requires_grad_(False)
-    before = state_of(model)
     images, maps = torch.rand(2, 3, 4, 4), torch.rand(2, 4, 4)
-    first = metrics.deletion(model, images, maps, steps=4)
-    metrics.insertion(model, images, maps, steps=4)
-    metrics.confidence(model, images, maps)
-    metrics.road(model, images, maps, fractions=[0.5])
-    after = state_of(model)
-    assert after["training"] == before["training"] and after["hooks"] == before["hooks"] == 0
-    assert after["requires_grad"] == before["requires_grad"]
-    assert all(grad is None for grad in after["grads"])
-    assert all(torch.equal(a, b) for a, b in zip(after["weights"], before["weights"], strict=True))
+    with untouched(model):
+        first = metrics.deletion(model, images, maps, steps=4)
+        metrics.insertion(model, images, maps, steps=4)
+        metrics.confidence(model, images, maps)
+        metrics.road(model, images, maps, fractions=[0.5])
     # Eval mode was used: dropout off, so a second run gives the same curve.
     torch.testing.assert_close(metrics.deletion(model, images, maps, steps=4).scores, first.scores)
 

@@ -65,6 +65,7 @@ class AblationCAM(PerturbationMethod):
     Args:
         batch_size: Ablated copies per pass of the later layers (bounds memory). ``None``
             takes as many as fit in 128 MiB (``COPIES_MEMORY``), at least one.
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
     name = "ablationcam"
@@ -83,10 +84,11 @@ class AblationCAM(PerturbationMethod):
             ablated = self.ablated_scores(ranks)
         maps = []
         for data, scores in zip(ranks, ablated, strict=True):
+            assert data.scores is not None  # the engine scores every rank
             original = data.scores.unsqueeze(1)
             drop = original - scores
             weights = torch.where(original != 0, drop / original, drop)
-            maps.append(torch.einsum("nc,nchw->nhw", weights, activations))
+            maps.append(self.weighted_map(weights, activations))
         return maps
 
     def ablated_scores(self, ranks: Sequence[LayerData]) -> torch.Tensor:
@@ -106,7 +108,7 @@ class AblationCAM(PerturbationMethod):
                 if broadcast is None:
                     checked, reason = _checked_broadcast(data, ranks, sample, chunk)
                     broadcast = checked is not None
-                    if broadcast:
+                    if checked is not None:
                         scores[:, sample, chunk] = checked.to(scores.dtype)
                         continue
                     warnings.warn(
@@ -137,6 +139,7 @@ def _ablated_pass(
     single = data.inputs[sample : sample + 1]
     inputs = single if broadcast else single.repeat(len(channels), *[1] * (single.dim() - 1))
     rows = (channels >= 0).nonzero()[:, 0]
+    assert data.layout is not None  # checked by AblationCAM.ablated_scores
     # Channels are dim 1 of (N, C, h, w) and the last dim of channels-last and token layouts.
     last = data.layout.channel_dim != 1
     index = (rows, ..., channels[rows]) if last else (rows, channels[rows])
@@ -161,6 +164,7 @@ def _checked_broadcast(
         scores = _ablated_pass(data, ranks, sample, with_check, broadcast=True)
     except _BROADCAST_FAILURES as error:
         return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+    assert data.scores is not None  # checked by AblationCAM.ablated_scores
     check, expected = scores[0, 0], data.scores[sample]
     # Under bf16 / fp16 autocast another batch size may round the score differently.
     rtol = max(1e-3, 4 * torch.finfo(check.dtype).eps)

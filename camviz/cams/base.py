@@ -10,13 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from torch import nn
 
+from camviz.cams.projection import first_principal_component
+from camviz.core.errors import CamvizError
+
 if TYPE_CHECKING:
     from camviz.cams.layout import Layout
+    from camviz.core.targets import Target
 
 
 @dataclass
@@ -36,6 +40,8 @@ class LayerData:
         scores: The explained score of each sample in the unperturbed forward pass, ``(N,)``.
         layout: How the layer lays out its own output (:class:`camviz.cams.layout.Layout`;
             ``activations`` is its ``(N, C, h, w)`` view), for methods that edit the layer.
+        hessian_products: ``H A``, the Hessian of ``y`` with respect to ``A`` applied to ``A``
+            (same shape), for methods that ask for it (``uses_hessian``); else ``None``.
 
     ``score(output, samples)`` also scores perturbed batches: ``samples`` is the ``(R,)``
     index of the input each output row was made from (``None``: row ``n`` is input ``n``).
@@ -50,6 +56,17 @@ class LayerData:
     class_ids: torch.Tensor | None
     scores: torch.Tensor | None = None
     layout: Layout | None = None
+    hessian_products: torch.Tensor | None = None
+
+    @property
+    def dy_da(self) -> torch.Tensor:
+        """``gradients``, for a method that needs them (its ``uses_gradients`` is true)."""
+        if self.gradients is None:
+            raise CamvizError(
+                f"no gradients were computed at layer {self.layer!r}; a method that reads "
+                "them must set uses_gradients = True"
+            )
+        return self.gradients
 
 
 class CamMethod:
@@ -59,7 +76,14 @@ class CamMethod:
         name: Registry name (``"gradcam"``).
         paper: Title, authors and year of the paper that defines it.
         needs: What it needs from the engine, for the docs table (``"gradients"``).
-        uses_gradients: Whether the engine must compute ``dy/dA``.
+        uses_gradients: Whether the engine must compute ``dy/dA`` (wrappers of another
+            method set it per instance).
+        uses_hessian: Whether the engine must also compute ``H A`` (second-order gradients
+            through the layers after the target; wrappers set it per instance too).
+        fuse: How the maps of several target layers combine when the method prescribes it
+            (RefineCAM multiplies them); ``None`` leaves it to :func:`camviz.explain`.
+        input_resolution: Whether its maps are at the input's resolution (the methods built
+            on input gradients) rather than the target layer's.
         reduced_precision: Whether the model's passes may run under ``precision="bf16"``
             or ``"fp16"`` autocast; a method whose weights are small differences of
             scores sets it to ``False`` and always scores in float32.
@@ -70,9 +94,24 @@ class CamMethod:
     name: ClassVar[str]
     paper: ClassVar[str]
     needs: ClassVar[str] = "gradients"
-    uses_gradients: ClassVar[bool] = True
+    uses_gradients: bool = True
+    uses_hessian: bool = False
+    fuse: ClassVar[Literal["mean", "max", "product"] | None] = None
+    input_resolution: ClassVar[bool] = False
     reduced_precision: ClassVar[bool] = True
     pixel_level: ClassVar[bool] = False
+
+    @classmethod
+    def applies_to(cls, model: nn.Module) -> bool:
+        """Whether the method can explain ``model`` (LeGrad needs a vision transformer)."""
+        return True
+
+    def explained_target(self, target: Target) -> Target:
+        """The target the engine explains when the caller asks for ``target``.
+
+        The identity; Finer-CAM turns it into a contrast with the nearest classes.
+        """
+        return target
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
         """The raw ``(N, h, w)`` map, before ReLU and normalisation."""
@@ -85,3 +124,38 @@ class CamMethod:
         same perturbed outputs; the others compute rank by rank.
         """
         return [self.layer_map(data) for data in ranks]
+
+
+class ChannelMapMethod(CamMethod):
+    """A method whose map adds up per-channel terms, ``L = sum_k W^k (*) A^k``.
+
+    Subclasses implement :meth:`weighted_activations`, the ``(N, C, h, w)`` terms
+    ``W^k (*) A^k`` (a weight per channel broadcast over the grid, or one per location).
+
+    Args:
+        eigen_smooth: Replace the channel sum by the first principal component of the terms
+            (each location an observation, each channel a variable, centred), as
+            pytorch-grad-cam's ``eigen_smooth``: it keeps the dominant pattern and drops
+            the noise that single channels add. The sign is chosen to correlate with the
+            channel sum (pytorch-grad-cam keeps the SVD's arbitrary sign). Off by default:
+            the methods' papers define the sum.
+    """
+
+    def __init__(self, *, eigen_smooth: bool = False) -> None:
+        if not isinstance(eigen_smooth, bool):
+            raise CamvizError(f"{self.name} needs eigen_smooth=True or False, not {eigen_smooth!r}")
+        self.eigen_smooth = eigen_smooth
+
+    def weighted_activations(self, data: LayerData) -> torch.Tensor:
+        """The ``(N, C, h, w)`` terms ``W^k (*) A^k`` whose channel sum is the raw map."""
+        raise NotImplementedError
+
+    def layer_map(self, data: LayerData) -> torch.Tensor:
+        return self.combine(self.weighted_activations(data))
+
+    def combine(self, weighted: torch.Tensor) -> torch.Tensor:
+        """The ``(N, h, w)`` map of the terms: their channel sum, or with ``eigen_smooth``
+        their first principal component."""
+        if self.eigen_smooth:
+            return first_principal_component(weighted)
+        return weighted.sum(dim=1)

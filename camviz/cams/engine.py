@@ -1,31 +1,30 @@
 """The engine: one forward pass, exactly the gradients a method needs, then post-processing.
 
-How the gradient ``dy/dA`` at a target layer is obtained, and why this way:
+The model runs under ``torch.no_grad()``. A forward hook on each target layer copies its
+output ``A`` and hands the rest of the network ``A + delta``, where ``delta`` is a zero tensor
+that requires grad; ``torch.autograd.grad(y.sum(), delta)`` is then exactly ``dy/dA`` for
+every sample. Nothing below the layer keeps a graph, no parameter gradient is computed, and
+in-place operations after the layer cannot change what was recorded (why this way, and not
+with backward hooks: ``docs/architecture.md``). Methods turn the recorded :class:`LayerData`
+into raw maps; the engine applies ReLU, normalises, resizes and fuses.
 
-1. The model runs under ``torch.no_grad()``: the part of the network *before* the target
-   layer keeps no autograd graph at all, so memory stays that of plain inference.
-2. A forward hook on the target layer (an :func:`camviz.core.hooks.edit`) copies the output
-   ``A``, switches grad mode on, and hands the rest of the network ``A + delta`` where
-   ``delta`` is a zero tensor that requires grad. From there on autograd records the graph.
-3. ``torch.autograd.grad(y.sum(), delta)`` gives ``dy/d(A + delta) = dy/dA`` - for every
-   sample at once, because in eval mode samples do not interact. Only the graph after the
-   layer is walked; no parameter ``.grad`` is written and none is computed.
+Methods that need second-order information (ShapleyCAM's ``H A``) get it from the same pass:
+the gradient is taken with ``create_graph=True``, so ``g = dy/d(delta)`` is itself a function
+of ``delta``, and ``torch.autograd.grad(g, delta, grad_outputs=A)`` is the Hessian of ``y``
+with respect to ``A`` applied to ``A``. Only the graph after the layer is walked, twice.
 
-Because the rest of the network sees a *new* tensor, in-place operations after the layer
-(``ReLU(inplace=True)``, ResNet's ``out += identity`` right after ``layer4.1.bn2``) change
-neither the recorded activations nor the gradient. Hooks built on
-``register_full_backward_hook`` fail there, and hooks on the original output tensor record
-the overwritten values; both give wrong maps on ResNet's ``bn2`` layers.
+Whatever happens, the model comes back as it was: hooks removed, every module's train/eval
+flag restored, ``requires_grad`` and ``.grad`` never touched.
 
-With several target layers each gets its own ``delta``; a later layer's output still
-depends on the earlier ``delta``, so every gradient stays exact.
-
-Whatever happens, the model comes back as it was: hooks removed, every module's
-train/eval flag restored, ``requires_grad`` and ``.grad`` never touched.
+**Threads.** Calls on one model are serialised (:func:`camviz.core.modelstate.exclusive`):
+a second thread that explains with the same model waits until the first call is done,
+since its hooks would otherwise see the other call's pass. Threads with their own copies
+of the model run in parallel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,19 +35,21 @@ from torch import nn
 
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.layout import as_spatial, layout_of, patch_size
-from camviz.cams.registry import get
+from camviz.cams.registry import create
+from camviz.core.batch import as_batch
 from camviz.core.errors import CamvizError
+from camviz.core.finite import first_nonfinite_layer, is_finite
 from camviz.core.hooks import detach_to, edit
-from camviz.core.layers import default_target_layer, resolve_layers
+from camviz.core.layers import Layer, default_target_layer, resolve_layers
 from camviz.core.maps import normalize, upsample
-from camviz.core.modelstate import eval_mode
+from camviz.core.modelstate import eval_mode, exclusive, uncompiled
 from camviz.core.precision import Precision, at_least_fp32, check_precision, forward_precision
 from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 
-Fuse = Literal["mean", "max"]
+Fuse = Literal["mean", "max", "product"]
 
 # as_spatial is re-exported: methods that run their own layer passes use it.
-__all__ = ["Explanation", "LayerPass", "as_spatial", "explain", "layer_pass"]
+__all__ = ["Explanation", "LayerPass", "as_spatial", "explain", "layer_data", "layer_pass"]
 
 DEFAULT_AUG_SCALES = (1.0, 0.9, 1.1)
 
@@ -60,8 +61,9 @@ class Explanation:
     Attributes:
         heatmaps: ``(M, H, W)`` float maps at the input's size, min-max normalised there
             (the hottest pixel is 1; a map with no evidence is all zeros).
-        layer_maps: ``(M, h, w)`` maps at the (first) target layer's resolution, after ReLU
-            and per-map min-max normalisation; an all-zero map stays zero.
+        layer_maps: ``(M, h, w)`` maps at the (first) target layer's resolution (at the
+            input's for methods with ``input_resolution``), after ReLU and per-map min-max
+            normalisation; an all-zero map stays zero.
         maps_by_layer: ``{layer: (M, h, w)}`` for every target layer.
         targets: ``(M,)`` explained class ids (``-1`` when the target was a callable).
         scores: ``(M,)`` explained scores (logits) from the forward pass.
@@ -91,6 +93,8 @@ class LayerPass:
             asked for).
         activations: ``{layer: A}``, ``(N, ...)`` copies of each layer's output.
         gradients: ``{layer: [dy_k/dA for each rank k]}``; empty without gradients.
+        hessian_products: ``{layer: [H_k A for each rank k]}``, ``H_k`` the Hessian of
+            ``y_k`` with respect to ``A``; empty unless asked for.
         scores: ``(N, K)`` explained scores.
         score_fns: One function per rank from a model output to ``(N,)`` scores.
         class_ids: ``(N, K)`` explained classes, or ``None`` for a callable target.
@@ -102,6 +106,7 @@ class LayerPass:
     scores: torch.Tensor
     score_fns: list[ScoreFn]
     class_ids: torch.Tensor | None
+    hessian_products: dict[str, list[torch.Tensor]]
 
 
 class _Tap:
@@ -140,15 +145,18 @@ def layer_pass(
     *,
     gradients: bool = True,
     output_key: str | int | None = None,
+    hessian: bool = False,
 ) -> LayerPass:
     """Run the model once and record activations (and exact gradients) at ``layers``.
 
     The building block under every method: :func:`explain` calls it once, and methods
     that average over noisy or augmented inputs call it once per variant. The model must
-    already be in the mode wanted (``explain`` puts it in eval mode).
+    already be in the mode wanted (``explain`` puts it in eval mode). ``hessian=True`` (with
+    ``gradients``) also records ``H A`` at each layer (see the module docstring).
     """
-    with torch.inference_mode(False):  # a caller's inference mode would stop the graph too
-        return _layer_pass(model, inputs, layers, target, gradients, output_key)
+    # A caller's inference mode would stop the graph too.
+    with exclusive(model), torch.inference_mode(False):
+        return _layer_pass(model, inputs, layers, target, gradients, output_key, hessian)
 
 
 def _layer_pass(
@@ -158,18 +166,26 @@ def _layer_pass(
     target: Target,
     gradients: bool,
     output_key: str | int | None,
+    hessian: bool = False,
 ) -> LayerPass:
     taps = {name: _Tap(name, gradients) for name in layers}
     with edit(model, taps), torch.no_grad():
         output = model(inputs)
+    activations = {}
+    deltas = []  # one per layer when gradients are asked for (the strict zip below checks)
     for tap in taps.values():
         if tap.activation is None:
             raise CamvizError(
                 f"layer {tap.name!r} did not run in the forward pass; pick a layer that the "
                 "model uses (`camviz layers` lists them with shapes)"
             )
+        activations[tap.name] = tap.activation
+        if tap.delta is not None:
+            deltas.append(tap.delta)
     fns, ids = score_fns(target, output, output_key)
     per_rank: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if gradients else {}
+    hessian = hessian and gradients
+    products: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if hessian else {}
     scores = []
     with torch.enable_grad():
         for rank, score_fn in enumerate(fns):
@@ -183,33 +199,56 @@ def _layer_pass(
                     f"the explained score does not depend on layer(s) {', '.join(layers)}; "
                     "pick a layer before the model's output"
                 )
-            deltas = [taps[name].delta for name in layers]
             grads = torch.autograd.grad(
-                score.sum(), deltas, retain_graph=rank < len(fns) - 1, allow_unused=True
+                score.sum(),
+                deltas,
+                retain_graph=hessian or rank < len(fns) - 1,
+                create_graph=hessian,
+                allow_unused=True,
             )
             for name, delta, grad in zip(layers, deltas, grads, strict=True):
                 per_rank[name].append(
-                    at_least_fp32(torch.zeros_like(delta) if grad is None else grad)
+                    at_least_fp32(torch.zeros_like(delta) if grad is None else grad.detach())
                 )
+                if hessian:
+                    product = _hessian_product(grad, delta, activations[name])
+                    products[name].append(at_least_fp32(product))
     return LayerPass(
         output=at_least_fp32(detach_to(output, None)),
-        activations={name: at_least_fp32(tap.activation) for name, tap in taps.items()},
+        activations={name: at_least_fp32(values) for name, values in activations.items()},
         gradients=per_rank,
         scores=torch.stack(scores, dim=1),
         score_fns=fns,
         class_ids=ids,
+        hessian_products=products,
     )
+
+
+def _hessian_product(
+    gradient: torch.Tensor | None, delta: torch.Tensor, activation: torch.Tensor
+) -> torch.Tensor:
+    """``H A``: the derivative of ``gradient`` (``dy/d(delta)``, with its graph) along ``A``.
+
+    Zero where the gradient does not depend on ``delta`` (the layers after the target are
+    piecewise linear in it, as with ReLU networks, or do not use it).
+    """
+    if gradient is None or not gradient.requires_grad:
+        return torch.zeros_like(delta)
+    (product,) = torch.autograd.grad(
+        gradient, delta, grad_outputs=activation, retain_graph=True, allow_unused=True
+    )
+    return torch.zeros_like(delta) if product is None else product
 
 
 def explain(
     model: nn.Module,
     inputs: torch.Tensor,
     method: str | CamMethod = "gradcam",
-    layer: str | Sequence[str] | None = None,
+    layer: Layer | Sequence[Layer] | None = None,
     target: Target = None,
     *,
     output_key: str | int | None = None,
-    fuse: Fuse = "mean",
+    fuse: Fuse | None = None,
     aug_smooth: bool | Sequence[float] = False,
     precision: Precision = "fp32",
     channels_last: bool = False,
@@ -219,21 +258,28 @@ def explain(
 
     Args:
         model: Any ``nn.Module`` classifier (or a model with a ``target`` callable). It is
-            used in eval mode for the call and handed back exactly as it came.
+            used in eval mode for the call and handed back exactly as it came. For a
+            ``torch.compile`` model the original module inside it is explained (layer names
+            are that module's).
         inputs: ``(N, C, H, W)`` batch, or one ``(C, H, W)`` image, already preprocessed.
             Moved to the model's device.
         method: A registry name (:func:`camviz.cams.names`) or a method instance.
-        layer: Target layer name(s) or wildcard pattern(s). ``None`` picks the last layer
-            with a spatial output, or for a vision transformer the norm before its last
+        layer: Target layer(s): names, wildcard patterns or submodules. ``None`` picks the last
+            layer with a spatial output, or for a vision transformer the norm before its last
             attention (:func:`camviz.core.layers.default_target_layer`; found once per model
             with a one-sample dry run).
         target: What to explain; see :mod:`camviz.core.targets` (class id, list of ids, ``None``
             for top-1, ``"top3"``, :class:`~camviz.core.targets.Region`,
             :class:`~camviz.core.targets.Contrast`, or a callable ``output -> (N,) scores``).
+            Methods that re-run the model score batches whose rows come from any input; a
+            callable that holds per-input data must take the rows,
+            ``(output, rows) -> (R,) scores`` with ``rows[r]`` the input of row ``r``
+            (:class:`~camviz.core.targets.RowTarget`).
         output_key: For models whose output is a tuple or dict: where the logits are.
-        fuse: How maps of several layers combine (``"mean"`` or ``"max"``): each layer's
-            normalised map is upsampled to the input size, then the mean or the pixel-wise
-            maximum is taken and normalised again.
+        fuse: How maps of several layers combine (``"mean"``, ``"max"`` or ``"product"``):
+            each layer's normalised map is upsampled to the input size, then the mean, the
+            pixel-wise maximum or the product is taken and normalised again. ``None``: the
+            method's own rule (``refinecam`` multiplies), else the mean.
         aug_smooth: Test-time augmentation, for any method: the batch is also explained
             horizontally flipped and rescaled, each map is flipped back and resized to the
             input, and the maps are averaged (then normalised). ``True`` uses the scales
@@ -248,39 +294,78 @@ def explain(
             it (see :mod:`camviz.core.precision`). Ablation-CAM always scores in float32.
         channels_last: Hand the model a channels-last copy of its input (its convolutions
             then compute channels-last). The model and ``inputs`` are not modified.
-        **options: Passed to the method's constructor (e.g. ``batch_size``).
+        **options: Passed to the method's constructor (e.g. ``batch_size``, ``eigen_smooth``;
+            each method's docstring lists its own); an option the method does not take is a
+            :class:`CamvizError`.
 
     Returns:
         An :class:`Explanation`.
 
     Raises:
-        CamvizError: A bad layer name, target, input shape or method name.
+        CamvizError: A bad layer name, target, input shape or method name; NaN or Inf in
+            the model's scores or activations (the message names the first layer that
+            output them); all-zero maps at a default layer that the score does not depend on.
+
+    Two threads calling this with one model take turns (see the module docstring).
     """
-    cam = get(method)(**options) if isinstance(method, str) else method
-    if fuse not in ("mean", "max"):
-        raise CamvizError(f"fuse must be 'mean' or 'max', not {fuse!r}")
+    if not isinstance(method, (str, CamMethod)):
+        raise CamvizError(
+            f"method must be a method name (camviz.cams.names()) or a CamMethod, not "
+            f"{type(method).__name__} {method!r}"
+        )
+    if isinstance(method, str):
+        cam = create(method, **options)
+    elif options:
+        raise CamvizError(
+            f"options ({', '.join(options)}) are for a method given by name; set them on the "
+            "method instance instead"
+        )
+    else:
+        cam = method
+    model = uncompiled(model)
+    fuse = _fusion(cam, fuse)
+    target = cam.explained_target(target)
     scales = _aug_scales(aug_smooth, target)
-    inputs = _as_batch(inputs, model)
+    inputs = as_batch(inputs, model)
     dtype = check_precision(precision, inputs.device, used=cam.reduced_precision)
-    with eval_mode(model), forward_precision(model, dtype, channels_last, inputs.device):
+    with (
+        exclusive(model),
+        eval_mode(model),
+        forward_precision(model, dtype, channels_last, inputs.device),
+    ):
         layers = _target_layers(model, inputs, layer)
         recorded = layer_pass(
-            model, inputs, layers, target, gradients=cam.uses_gradients, output_key=output_key
+            model,
+            inputs,
+            layers,
+            target,
+            gradients=cam.uses_gradients,
+            output_key=output_key,
+            hessian=cam.uses_hessian,
         )
+        _check_finite(model, inputs, recorded)
         maps_by_layer = _layer_maps(cam, model, inputs, recorded)
+        if layer is None:
+            _check_default_layer(model, inputs, maps_by_layer, recorded, target, output_key)
         full_size = {
             name: upsample(maps, inputs.shape[-2:]) for name, maps in maps_by_layer.items()
         }
         if scales:
             # Augmented passes explain the classes chosen here, even if augmentation flips them.
-            fixed = recorded.class_ids
-            if fixed is None or isinstance(target, Contrast):
+            chosen = recorded.class_ids
+            fixed: Target = chosen
+            if chosen is None:
                 fixed = target
+            elif isinstance(target, Contrast):
+                fixed = dataclasses.replace(target, a=chosen[:, 0])
             maps_by_layer, full_size = _aug_smoothed(
                 cam, model, inputs, layers, fixed, output_key, scales, maps_by_layer, full_size
             )
-    upsampled = list(full_size.values())
-    fused = torch.stack(upsampled).amax(0) if fuse == "max" else torch.stack(upsampled).mean(0)
+    stacked = torch.stack(list(full_size.values()))
+    if fuse == "product":
+        fused = stacked.prod(0)
+    else:
+        fused = stacked.amax(0) if fuse == "max" else stacked.mean(0)
     batch, ranks = recorded.scores.shape
     ids = recorded.class_ids
     return Explanation(
@@ -296,42 +381,131 @@ def explain(
     )
 
 
+def layer_data(
+    model: nn.Module, inputs: torch.Tensor, recorded: LayerPass, name: str
+) -> list[LayerData]:
+    """What a method gets for layer ``name`` of a recorded pass: one :class:`LayerData` per
+    rank, activations and gradients in their ``(N, C, h, w)`` view.
+
+    Raises:
+        CamvizError: The layer folds windows or heads into the batch.
+    """
+    output = recorded.activations[name]
+    if output.shape[0] != inputs.shape[0]:
+        raise CamvizError(
+            f"layer {name!r} outputs a batch of {output.shape[0]} for {inputs.shape[0]} "
+            "inputs (windows or heads folded into the batch); pick a layer whose output "
+            "keeps one row per input"
+        )
+    patch = patch_size(model) if output.dim() == 3 else None
+    layout = layout_of(output.shape, name, inputs.shape[-2:], patch)
+    activations = layout.to_spatial(output)
+    ranks = []
+    for rank, score_fn in enumerate(recorded.score_fns):
+        gradients = recorded.gradients[name][rank] if recorded.gradients else None
+        product = recorded.hessian_products[name][rank] if recorded.hessian_products else None
+        ranks.append(
+            LayerData(
+                layer=name,
+                activations=activations,
+                gradients=None if gradients is None else layout.to_spatial(gradients),
+                model=model,
+                inputs=inputs,
+                score=score_fn,
+                class_ids=None if recorded.class_ids is None else recorded.class_ids[:, rank],
+                scores=recorded.scores[:, rank],
+                layout=layout,
+                hessian_products=None if product is None else layout.to_spatial(product),
+            )
+        )
+    return ranks
+
+
 def _layer_maps(
     cam: CamMethod, model: nn.Module, inputs: torch.Tensor, recorded: LayerPass
 ) -> dict[str, torch.Tensor]:
     """Each layer's ``(N * K, h, w)`` maps, sample-major, after ReLU and normalisation."""
     maps_by_layer = {}
-    for name, output in recorded.activations.items():
-        if output.shape[0] != inputs.shape[0]:
-            raise CamvizError(
-                f"layer {name!r} outputs a batch of {output.shape[0]} for {inputs.shape[0]} "
-                "inputs (windows or heads folded into the batch); pick a layer whose output "
-                "keeps one row per input"
-            )
-        patch = patch_size(model) if output.dim() == 3 else None
-        layout = layout_of(output.shape, name, inputs.shape[-2:], patch)
-        activations = layout.to_spatial(output)
-        ranks = []
-        for rank, score_fn in enumerate(recorded.score_fns):
-            gradients = recorded.gradients[name][rank] if recorded.gradients else None
-            ranks.append(
-                LayerData(
-                    layer=name,
-                    activations=activations,
-                    gradients=None if gradients is None else layout.to_spatial(gradients),
-                    model=model,
-                    inputs=inputs,
-                    score=score_fn,
-                    class_ids=None if recorded.class_ids is None else recorded.class_ids[:, rank],
-                    scores=recorded.scores[:, rank],
-                    layout=layout,
-                )
-            )
+    for name in recorded.activations:
+        ranks = layer_data(model, inputs, recorded, name)
+        if not len(inputs):  # an empty batch: no maps, and nothing for a method to do
+            activations = ranks[0].activations
+            maps_by_layer[name] = activations.new_zeros(0, *activations.shape[-2:])
+            continue
         with torch.no_grad():
             per_rank = cam.rank_maps(ranks)
         maps = torch.stack(per_rank, dim=1).flatten(0, 1)
+        if not is_finite(maps):
+            raise CamvizError(
+                f"{cam.name} gave NaN or Inf maps at layer {name!r} from finite activations "
+                "and scores; try another method or layer"
+            )
         maps_by_layer[name] = normalize(torch.relu(maps))
     return maps_by_layer
+
+
+def _check_finite(model: nn.Module, inputs: torch.Tensor, recorded: LayerPass) -> None:
+    """NaN or Inf in what the pass recorded is an error: the maps would be zeros."""
+    forward = [("explained scores", recorded.scores)] + [
+        (f"activations of layer {name!r}", values) for name, values in recorded.activations.items()
+    ]
+    bad = [what for what, values in forward if not is_finite(values)]
+    if bad:
+        first = first_nonfinite_layer(model, inputs)
+        source = (
+            f"layer {first!r} is the first to output NaN or Inf"
+            if first is not None
+            else "every layer's output is finite, so the target computes them"
+        )
+        raise CamvizError(
+            f"the {bad[0]} hold NaN or Inf: {source}; camviz.find_first_nonfinite(model, "
+            "inputs) says why"
+        )
+    for name, per_rank in recorded.gradients.items():
+        if not all(is_finite(gradients) for gradients in per_rank):
+            raise CamvizError(
+                f"the gradients at layer {name!r} hold NaN or Inf although the forward pass is "
+                "finite (the backward pass overflowed); explain in float32 or pick another layer"
+            )
+
+
+def _check_default_layer(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    maps_by_layer: dict[str, torch.Tensor],
+    recorded: LayerPass,
+    target: Target,
+    output_key: str | int | None,
+) -> None:
+    """All-zero maps at a layer camviz chose, because the score does not depend on it, are
+    an error: the user never named that layer."""
+    ((name, maps),) = maps_by_layer.items()
+    if not len(maps) or bool(maps.any()):
+        return
+    gradients = recorded.gradients.get(name)
+    if gradients is None:  # a method without gradients: take them now, in this rare case
+        try:
+            with_gradients = layer_pass(model, inputs, [name], target, output_key=output_key)
+        except CamvizError:  # no autograd path from the layer to the score
+            with_gradients = None
+        gradients = with_gradients.gradients[name] if with_gradients else []
+    if any(bool(values.any()) for values in gradients):
+        return  # the score depends on the layer: the maps say "no positive evidence"
+    raise CamvizError(
+        f"all maps are zero: the explained score does not depend on the default layer {name!r}; "
+        "pass layer=NAME (`camviz layers` lists them)"
+    )
+
+
+def _fusion(cam: CamMethod, fuse: Fuse | None) -> Fuse:
+    """The layer fusion to use: the caller's, else the method's own, else the mean."""
+    if fuse is not None and fuse not in ("mean", "max", "product"):
+        raise CamvizError(f"fuse must be 'mean', 'max' or 'product', not {fuse!r}")
+    if cam.fuse is not None and fuse not in (None, cam.fuse):
+        raise CamvizError(
+            f"{cam.name} combines layers by {cam.fuse!r}; leave fuse= unset (got {fuse!r})"
+        )
+    return fuse or cam.fuse or "mean"
 
 
 def _aug_scales(aug_smooth: bool | Sequence[float], target: Target) -> tuple[float, ...]:
@@ -395,6 +569,7 @@ def _aug_smoothed(
                 target,
                 gradients=cam.uses_gradients,
                 output_key=output_key,
+                hessian=cam.uses_hessian,
             )
         except (RuntimeError, AssertionError, ValueError) as error:
             if scale == 1:
@@ -416,28 +591,11 @@ def _aug_smoothed(
 
 
 def _target_layers(
-    model: nn.Module, inputs: torch.Tensor, layer: str | Sequence[str] | None
+    model: nn.Module, inputs: torch.Tensor, layer: Layer | Sequence[Layer] | None
 ) -> list[str]:
     if layer is None:
         return [default_target_layer(model, inputs)]
     return list(resolve_layers(model, layer))
-
-
-def _as_batch(inputs: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    if not isinstance(inputs, torch.Tensor):
-        raise CamvizError(
-            f"inputs must be a tensor, not {type(inputs).__name__}; preprocess images first "
-            "(camviz.images.load_batch)"
-        )
-    if inputs.dim() == 3:
-        inputs = inputs.unsqueeze(0)
-    if inputs.dim() != 4 or not inputs.is_floating_point():
-        raise CamvizError(
-            f"inputs must be a float (N, C, H, W) batch or one (C, H, W) image, got "
-            f"{inputs.dtype} of shape {tuple(inputs.shape)}"
-        )
-    parameter = next(model.parameters(), None)
-    return inputs.to(parameter.device) if parameter is not None else inputs
 
 
 def _check_scores(score: torch.Tensor, batch: int) -> None:

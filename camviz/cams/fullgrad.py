@@ -148,6 +148,7 @@ class FullGrad(CamMethod):
         "Visualization, NeurIPS 2019"
     )
     needs = "input gradients and bias-gradients of all layers"
+    input_resolution = True
     # Sums of many small bias-gradient terms: under bf16 the map's correlation with the fp32
     # map fell to 0.93 on a ResNet-50 (benchmarks/bench_precision.py), so it stays fp32.
     reduced_precision = False

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.base import ChannelMapMethod, LayerData
 from camviz.cams.registry import register
 
 
 @register
-class GradCAM(CamMethod):
+class GradCAM(ChannelMapMethod):
     """Grad-CAM.
 
     Paper: Selvaraju et al., "Grad-CAM: Visual Explanations from Deep Networks via
@@ -21,6 +21,9 @@ class GradCAM(CamMethod):
         L^c       = ReLU( sum_k alpha_k^c * A^k )
 
     The engine applies the ReLU and the per-image min-max normalisation.
+
+    Args:
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
     name = "gradcam"
@@ -29,6 +32,5 @@ class GradCAM(CamMethod):
         "Gradient-based Localization, ICCV 2017"
     )
 
-    def layer_map(self, data: LayerData) -> torch.Tensor:
-        weights = data.gradients.mean(dim=(2, 3), keepdim=True)
-        return (weights * data.activations).sum(dim=1)
+    def weighted_activations(self, data: LayerData) -> torch.Tensor:
+        return data.dy_da.mean(dim=(2, 3), keepdim=True) * data.activations

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.base import ChannelMapMethod, LayerData
 from camviz.cams.engine import layer_pass
+from camviz.cams.noise import SampleNoise
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
 
 
-def plusplus_map(
+def plusplus_weights(
     activations: torch.Tensor,
     first: torch.Tensor,
     second: torch.Tensor,
     third: torch.Tensor,
 ) -> torch.Tensor:
-    """The Grad-CAM++ map from the first three derivatives of the score with respect to ``A``.
+    """The Grad-CAM++ channel weights from the first three derivatives of the score with
+    respect to ``A``.
 
     Args:
         activations: ``A``, ``(N, C, h, w)``.
@@ -25,18 +27,17 @@ def plusplus_map(
         third: ``(dy/dA)^3`` (or the average of the cubes).
 
     Returns:
-        ``sum_k w_k A^k``, ``(N, h, w)``.
+        ``w_k``, ``(N, C, 1, 1)``.
     """
     total = activations.sum(dim=(2, 3), keepdim=True)
     denominator = 2 * second + total * third
     # A zero denominator means a zero gradient there (or an underflow): that pixel adds nothing.
     alpha = torch.where(denominator != 0, second / denominator, 0)
-    weights = (alpha * torch.relu(first)).sum(dim=(2, 3), keepdim=True)
-    return (weights * activations).sum(dim=1)
+    return (alpha * torch.relu(first)).sum(dim=(2, 3), keepdim=True)
 
 
 @register
-class GradCAMPlusPlus(CamMethod):
+class GradCAMPlusPlus(ChannelMapMethod):
     """Grad-CAM++.
 
     Paper: Chattopadhay, Sarkar, Howlader and Balasubramanian, "Grad-CAM++: Generalized
@@ -57,6 +58,9 @@ class GradCAMPlusPlus(CamMethod):
     skips exact zeros, as the formula asks. torchcam 0.5's ``GradCAMpp`` divides a copy made
     by boolean indexing (``alpha[mask].div_``), so its ``alpha`` stays ``g^2`` and its weights
     are ``sum_ij g^2 ReLU(g)``.
+
+    Args:
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
     name = "gradcam++"
@@ -65,14 +69,15 @@ class GradCAMPlusPlus(CamMethod):
         "Deep Convolutional Networks, WACV 2018"
     )
 
-    def layer_map(self, data: LayerData) -> torch.Tensor:
-        gradients = data.gradients
+    def weighted_activations(self, data: LayerData) -> torch.Tensor:
+        gradients = data.dy_da
         squared = gradients.square()
-        return plusplus_map(data.activations, gradients, squared, squared * gradients)
+        weights = plusplus_weights(data.activations, gradients, squared, squared * gradients)
+        return weights * data.activations
 
 
 @register
-class SmoothGradCAMPlusPlus(CamMethod):
+class SmoothGradCAMPlusPlus(ChannelMapMethod):
     """Smooth Grad-CAM++: Grad-CAM++ with derivatives averaged over noisy copies of the input.
 
     Paper: Omeiza, Speakman, Cintas and Weldermariam, "Smooth Grad-CAM++: An Enhanced Inference
@@ -100,7 +105,11 @@ class SmoothGradCAMPlusPlus(CamMethod):
         noise: ``sigma`` as a fraction of each image's value range (SmoothGrad suggests
             0.1 to 0.2).
         seed: Seed of the noise, so that the same input always gives the same map; ``None``
-            draws from torch's global generator instead.
+            draws the seed from torch's global generator instead. Each image draws its
+            noise from its own generator started from this seed
+            (:class:`~camviz.cams.noise.SampleNoise`), so an image gets the same map alone
+            or at any position in a batch.
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
     name = "smooth_gradcam++"
@@ -110,7 +119,15 @@ class SmoothGradCAMPlusPlus(CamMethod):
     )
     needs = "gradients at n noisy copies of the input"
 
-    def __init__(self, samples: int = 8, noise: float = 0.15, seed: int | None = 0) -> None:
+    def __init__(
+        self,
+        samples: int = 8,
+        noise: float = 0.15,
+        seed: int | None = 0,
+        *,
+        eigen_smooth: bool = False,
+    ) -> None:
+        super().__init__(eigen_smooth=eigen_smooth)
         if samples < 1 or noise < 0:
             raise CamvizError(
                 f"smooth_gradcam++ needs samples >= 1 and noise >= 0, got samples={samples}, "
@@ -120,22 +137,20 @@ class SmoothGradCAMPlusPlus(CamMethod):
         self.noise = noise
         self.seed = seed
 
-    def layer_map(self, data: LayerData) -> torch.Tensor:
+    def weighted_activations(self, data: LayerData) -> torch.Tensor:
         inputs = data.inputs
-        generator = None
-        if self.seed is not None:
-            generator = torch.Generator(inputs.device).manual_seed(self.seed)
+        noise = SampleNoise(inputs.shape[0], self.seed, inputs.device)
+        every_sample = torch.arange(inputs.shape[0])
         low, high = inputs.flatten(1).aminmax(dim=1)
         sigma = (self.noise * (high - low)).view(-1, 1, 1, 1)
         moments = data.activations.new_zeros(3, *data.activations.shape)
+        assert data.layout is not None  # the engine gives every layer its layout
         for _ in range(self.samples):
-            noise = torch.randn(
-                inputs.shape, generator=generator, device=inputs.device, dtype=inputs.dtype
-            )
+            draw = noise.draw(every_sample, inputs.shape[1:], inputs.dtype)
             # The score function is the explained target itself, so class ids, callables and
             # any output type carry over to the noisy batch unchanged.
-            noisy = layer_pass(data.model, inputs + sigma * noise, [data.layer], data.score)
+            noisy = layer_pass(data.model, inputs + sigma * draw, [data.layer], data.score)
             gradients = data.layout.to_spatial(noisy.gradients[data.layer][0])
             moments += torch.stack([gradients, gradients.square(), gradients.pow(3)])
         first, second, third = moments / self.samples
-        return plusplus_map(data.activations, first, second, third)
+        return plusplus_weights(data.activations, first, second, third) * data.activations

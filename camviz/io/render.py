@@ -14,26 +14,22 @@ guided backprop) are customarily shown clipped at a high percentile (``clip=99``
 pixels hold the maximum, and unclipped the overlay looks empty.
 
 Figures (:func:`panel`, :func:`channel_figure`, for notebooks) are built with
-:class:`matplotlib.figure.Figure` directly, never through
-``pyplot``: pyplot keeps every figure in a global registry until it is closed, which leaks
-memory when a loop renders hundreds of panels, and it needs a GUI backend. A bare
-``Figure`` is garbage-collected like any object and renders with Agg anywhere.
+:class:`matplotlib.figure.Figure` directly, never through ``pyplot`` (whose global registry
+leaks figures in a loop and wants a GUI backend).
 
-Every file is written through :func:`atomic_write`, so a crash or an error halfway never
-leaves a partial file behind.
+Every file is written through :func:`camviz.io.atomic.atomic_write`, so a crash or an error
+halfway never leaves a partial file behind.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import math
 import os
-import secrets
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Literal, TypeAlias, TypeGuard
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeGuard
 
 import numpy as np
 import torch
@@ -43,6 +39,7 @@ from torchvision.utils import make_grid, save_image
 from camviz.core.errors import CamvizError
 from camviz.core.maps import normalize as normalize_maps
 from camviz.core.maps import upsample
+from camviz.io.atomic import atomic_write
 from camviz.io.colormaps import apply, lookup_table, matplotlib_colormap
 from camviz.io.images import to_rgb
 
@@ -464,63 +461,6 @@ def save(obj: Image.Image | Figure | torch.Tensor, path: str | os.PathLike[str])
     return path
 
 
-@contextlib.contextmanager
-def atomic_write(path: str | os.PathLike[str], mode: Literal["wb", "w"] = "wb") -> Iterator[IO]:
-    """Open ``path`` for writing so that it appears complete or not at all.
-
-    The data goes to a hidden temporary file in the same folder, which replaces ``path``
-    (``os.replace``, atomic on one file system) only when the block ends without error.
-    On any error the temporary file is removed and ``path`` is left as it was. This guards
-    against a crashed or failed writer, not against power loss (there is no fsync).
-
-    Args:
-        path: The file to write; missing folders are created.
-        mode: ``"wb"`` for bytes, ``"w"`` for UTF-8 text.
-
-    Yields:
-        The open temporary file.
-
-    Raises:
-        CamvizError: The folder cannot be created or written to, or ``path`` is a folder.
-
-    Example:
-        >>> with atomic_write("out/manifest.json", "w") as file:
-        ...     json.dump(manifest, file)
-    """
-    if mode not in ("wb", "w"):
-        raise ValueError(f"mode must be 'wb' or 'w', not {mode!r}")
-    path = Path(path)
-    if path.is_dir():
-        raise CamvizError(f"{path} is a folder; give a file name inside it")
-    temporary = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # os.open with 0o666 lets the umask decide permissions, as for any new file;
-        # tempfile would create it readable by the owner only.
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    except OSError as error:
-        raise CamvizError(_unwritable(path, error)) from None
-    try:
-        with os.fdopen(descriptor, mode, encoding="utf-8" if mode == "w" else None) as file:
-            yield file
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    try:
-        os.replace(temporary, path)
-    except OSError as error:
-        temporary.unlink(missing_ok=True)
-        raise CamvizError(_unwritable(path, error)) from None
-
-
-def _unwritable(path: Path, error: OSError) -> str:
-    blocking = next((p for p in (path.parent, *path.parent.parents) if p.is_file()), None)
-    if blocking is not None:
-        return f"cannot write {path}: {blocking} is a file, not a folder; choose another path"
-    reason = error.strerror or type(error).__name__
-    return f"cannot write {path} ({reason}); choose an output folder you can write to"
-
-
 def _unknown_format(path: Path, examples: Sequence[str]) -> CamvizError:
     return CamvizError(
         f"cannot tell the file format of {path} from its extension "
@@ -626,3 +566,82 @@ def _columns(count: int, ncols: int | None) -> int:
     if ncols < 1:
         raise CamvizError(f"ncols must be at least 1, got {ncols}")
     return ncols
+
+
+# Concepts (Deep Feature Factorization) ------------------------------------------------------
+
+
+def concept_overlay(
+    image: Image.Image, maps: torch.Tensor, alpha: float = 0.6, colormap: str = "tab10"
+) -> Image.Image:
+    """One colour per concept over an image: each pixel takes the colour of its strongest
+    concept, as opaque as that concept is strong there.
+
+    Args:
+        image: The original image.
+        maps: ``(k, h, w)`` non-negative concept maps of this image, such as
+            ``camviz.factorize(...).maps[0]``; each is scaled by its own maximum.
+        alpha: Opacity of the colours where a concept is at its strongest.
+        colormap: A qualitative matplotlib colour map; concept ``j`` gets its colour ``j``.
+
+    Returns:
+        An RGB image of ``image.size``.
+    """
+    if not isinstance(maps, torch.Tensor) or maps.dim() != 3:
+        raise CamvizError("concept maps must be one (k, h, w) tensor, e.g. concepts.maps[0]")
+    if not 0 <= alpha <= 1:
+        raise CamvizError(f"alpha must lie in [0, 1], got {alpha}")
+    rgb = image if image.mode == "RGB" else to_rgb(image)
+    width, height = rgb.size
+    values = maps.detach().to("cpu", torch.float32).clamp_min(0)
+    values = values / values.flatten(1).amax(1).clamp_min(1e-12).view(-1, 1, 1)
+    strength, winner = upsample(values, (height, width)).clamp(0, 1).max(dim=0)
+    colours = 255 * _concept_colours(colormap, len(values))[winner.numpy()]
+    weight = alpha * strength.numpy()[..., None]
+    pixels = np.asarray(rgb, dtype=np.float32)
+    return Image.fromarray(np.rint((1 - weight) * pixels + weight * colours).astype(np.uint8))
+
+
+def concept_figure(
+    image: Image.Image,
+    maps: torch.Tensor,
+    labels: Sequence[str] | None = None,
+    *,
+    title: str = "",
+    alpha: float = 0.6,
+    colormap: str = "tab10",
+) -> Figure:
+    """The image beside its :func:`concept_overlay`, with a legend of the concepts' colours.
+
+    Args:
+        image: The original image.
+        maps: ``(k, h, w)`` concept maps of this image.
+        labels: One label per concept (e.g. its top classes); ``None``: ``concept 1..k``.
+        title: The figure's title.
+        alpha, colormap: As in :func:`concept_overlay`.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    shown = concept_overlay(image, maps, alpha, colormap)
+    names = list(labels) if labels is not None else [f"concept {j + 1}" for j in range(len(maps))]
+    if len(names) != len(maps):
+        raise CamvizError(f"got {len(names)} labels for {len(maps)} concepts")
+    width, height = shown.size
+    figure = Figure(figsize=(8, 4 * height / width + 1.2), layout="constrained")
+    axes = figure.subplots(1, 2)
+    axes[0].imshow(image)
+    axes[1].imshow(shown)
+    for ax in axes:
+        ax.set_axis_off()
+    colours = _concept_colours(colormap, len(names))
+    handles = [Patch(color=tuple(c), label=n) for c, n in zip(colours, names, strict=True)]
+    figure.legend(handles=handles, loc="outside lower center", ncols=min(len(names), 2))
+    figure.suptitle(title)
+    return figure
+
+
+def _concept_colours(colormap: str, count: int) -> np.ndarray:
+    """``(count, 3)`` RGB colours in ``[0, 1]``: entry ``j`` of a qualitative colour map."""
+    cmap = matplotlib_colormap(colormap)
+    return np.array([cmap(j % cmap.N)[:3] for j in range(count)], dtype=np.float32)

@@ -13,7 +13,6 @@ that replaces the target only when complete, like every other camviz output.
 from __future__ import annotations
 
 import os
-import secrets
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 from PIL import Image
 
 from camviz.core.errors import CamvizError
+from camviz.io.atomic import temporary_path
 
 #: Codec for each video container camviz writes.
 FOURCC = {".mp4": "mp4v", ".avi": "MJPG"}
@@ -32,6 +32,13 @@ _READ_AHEAD = 64
 
 # Videos a reader keeps open at once (each holds a decoder and a file handle).
 _OPEN_VIDEOS = 4
+
+
+# FFmpeg, inside OpenCV, prints its own log lines ("moov atom not found") on stderr; camviz
+# reports an unreadable video in its own words, so they are silenced (-8 is FFmpeg's
+# AV_LOG_QUIET). OpenCV reads this once, when it first uses FFmpeg in the process, so it is
+# set on import; a value the user set is kept.
+os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")
 
 
 def _cv2() -> Any:
@@ -113,7 +120,7 @@ class FrameReader:
         while position < index and capture.grab():
             position += 1
         ok, frame = capture.read() if position == index else (False, None)
-        if not ok:
+        if not ok or frame is None:
             capture.release()
             raise CamvizError(f"cannot read frame {index} of {path}; the video may be truncated")
         self._open[path] = (capture, index + 1)
@@ -151,7 +158,7 @@ def write_video(
     if codec is None:
         raise CamvizError(f"cannot write a {path.suffix!r} video; use one of {', '.join(FOURCC)}")
     # VideoWriter picks the container from the name, so the temporary file keeps the suffix.
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp{path.suffix}")
+    temporary = temporary_path(path, keep_suffix=True)
     writer = None
     count = 0
     try:

@@ -3,18 +3,11 @@
 :func:`explain_dataset` is a generator: it holds one batch (and a few waiting images) at a
 time, so a notebook can walk through 100 000 images and keep only what it wants.
 
-**Images of different sizes.** A model's preprocessing keeps the aspect ratio (the shorter
-side becomes 224), so a 4:3 photo and a 3:2 photo become tensors of different widths, which
-cannot be stacked. Decoded images are therefore collected in *buckets*, one per tensor
-shape, and a bucket is explained when it holds a full batch. A typical dataset has a few
-shapes, so nearly every batch is full. Padding to a common size was rejected: the model
-would see (and the CAM explain) the padding, and a result would depend on which images
-happened to share its batch. Squashing every image to a square was rejected as the default
-for the same reason the preprocessing keeps the aspect ratio (the model sees the photo as
-it is); a model whose ``Preprocess`` has ``resize="square"`` gets one bucket anyway. Each
-heatmap therefore covers exactly its whole photo, and stretching it to the photo's size
-(as :func:`camviz.render.overlay` does) lays it on the photo exactly. When many shapes
-wait at once, the fullest bucket is explained early, so memory stays bounded.
+**Images of different sizes.** Preprocessing keeps each photo's aspect ratio, so photos
+become tensors of different shapes. Decoded images wait in *buckets*, one per tensor shape,
+and a bucket is explained when it holds a full batch; when many shapes wait at once, the
+fullest bucket goes early, so memory stays bounded. Each heatmap covers exactly its photo
+(why not padding or squashing: ``docs/architecture.md``).
 
 **Unreadable inputs** (a corrupt file, a text file named ``.jpg``, a missing frame) do not
 stop the run: they come out as results with ``status == "error"`` and the reason.
@@ -24,9 +17,9 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -36,11 +29,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from camviz.cams.engine import explain
 from camviz.core.errors import CamvizError, first_line
+from camviz.core.layers import Layer
+from camviz.core.targets import Target, as_logits, class_name
 from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
-from camviz.pipeline.inputs import Item, expand
 from camviz.io.models import LoadedModel
-from camviz.core.targets import Target, as_logits
 from camviz.io.video import FrameReader
+from camviz.pipeline.inputs import Item, expand, not_a_regular_file
 
 #: How many predictions each result keeps, best first.
 TOP_PREDICTIONS = 5
@@ -126,8 +120,10 @@ class ItemDataset(Dataset):
 
     def __getitem__(self, index: int) -> Image.Image:
         item = self.items[index]
-        if item.reason is not None:
-            raise CamvizError(item.reason)
+        # A file may have been replaced by a FIFO since the inputs were listed.
+        reason = item.reason or not_a_regular_file(item.path)
+        if reason is not None:
+            raise CamvizError(reason)
         if item.frame is not None:
             return self._frames.read(item.path, item.frame)
         return load_image(item.path, max_pixels=self.max_pixels)
@@ -170,7 +166,7 @@ class _Prepared(Dataset):
         self.keep_images = keep_images
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(cast(Sized, self.dataset))
 
     def __getitem__(self, index: int) -> _Sample:
         started = time.perf_counter()
@@ -203,7 +199,7 @@ def explain_dataset(
     *,
     preprocess: Callable[[Image.Image], torch.Tensor] | None = None,
     method: str = "gradcam",
-    layer: str | Sequence[str] | None = None,
+    layer: Layer | Sequence[Layer] | None = None,
     target: Target = None,
     batch_size: int = 16,
     workers: int = 0,
@@ -273,12 +269,12 @@ def explain_dataset(
     if not isinstance(workers, int) or workers < 0:
         raise CamvizError(f"workers must be 0 or more, not {workers!r}")
     if not isinstance(data, Dataset):
-        items = expand(data, every=every)
+        items: list[Item] | None = expand(data, every=every)
         if not items:
             raise CamvizError("no image or video found in the inputs; check the paths")
         data = ItemDataset(items, max_pixels=max_pixels)
-    items = data.items if isinstance(data, ItemDataset) else None
-    order = list(range(len(data))) if indices is None else list(indices)
+    known = data.items if isinstance(data, ItemDataset) else None
+    order = list(range(len(cast(Sized, data)))) if indices is None else list(indices)
     explainer = _BatchExplainer(network, categories, method, layer, target, options)
     loader = DataLoader(
         _Prepared(data, preprocess, keep_images),
@@ -288,7 +284,7 @@ def explain_dataset(
         collate_fn=list,
         pin_memory=explainer.device.type == "cuda",
     )
-    return _explained(loader, explainer, items, batch_size, len(order), progress)
+    return _explained(loader, explainer, known, batch_size, len(order), progress)
 
 
 def _explained(
@@ -327,8 +323,9 @@ def _explained(
     finally:
         bar.close()
         del batches  # shuts the workers down, also when the consumer stops early
-        if isinstance(loader.dataset.dataset, ItemDataset):
-            loader.dataset.dataset.close()
+        prepared = loader.dataset
+        if isinstance(prepared, _Prepared) and isinstance(prepared.dataset, ItemDataset):
+            prepared.dataset.close()
 
 
 class _Buckets:
@@ -342,6 +339,7 @@ class _Buckets:
 
     def add(self, sample: _Sample) -> list[_Sample]:
         """Add ``sample``; returns a batch that is ready (full, or needed to free memory)."""
+        assert sample.inputs is not None  # only decoded samples wait for a batch
         shape = tuple(sample.inputs.shape)
         self.by_shape.setdefault(shape, []).append(sample)
         self.waiting += 1
@@ -370,7 +368,7 @@ class _BatchExplainer:
         network: nn.Module,
         categories: Sequence[str] | None,
         method: str,
-        layer: str | Sequence[str] | None,
+        layer: Layer | Sequence[Layer] | None,
         target: Target,
         options: dict[str, Any],
     ) -> None:
@@ -386,13 +384,15 @@ class _BatchExplainer:
     def __call__(self, samples: list[_Sample], items: list[Item] | None) -> list[ImageResult]:
         if not samples:
             return []
+        inputs = []
+        for sample in samples:
+            assert sample.inputs is not None  # only decoded samples are batched
+            inputs.append(sample.inputs)
         started = time.perf_counter()
         try:
             explanation = explain(
                 self.network,
-                torch.stack(
-                    [sample.inputs.to(self.device, non_blocking=True) for sample in samples]
-                ),
+                torch.stack([batch.to(self.device, non_blocking=True) for batch in inputs]),
                 self.method,
                 self.layer,
                 self.target,
@@ -414,7 +414,7 @@ class _BatchExplainer:
         logits = as_logits(explanation.output, self.options.get("output_key")).detach().float()
         table = logits.dim() == 2  # (N, classes): probabilities and a top list make sense
         probabilities = logits.softmax(-1).cpu() if table else None
-        if table:
+        if probabilities is not None:
             best = probabilities.topk(min(TOP_PREDICTIONS, logits.shape[-1]), dim=-1)
             top_ids, top_probabilities = best.indices.tolist(), best.values.tolist()
             top_scores = logits.cpu().gather(1, best.indices).tolist()
@@ -422,8 +422,12 @@ class _BatchExplainer:
         targets = explanation.targets.tolist()
         scores = explanation.scores.tolist()
         heatmaps = explanation.heatmaps.detach().cpu()
+        finite = _finite_per_sample(logits, explanation.scores, heatmaps, len(samples))
         results = []
         for position, sample in enumerate(samples):
+            if not finite[position]:
+                results.append(_failed(sample, _NOT_FINITE, items))
+                continue
             rows = range(position * ranks, (position + 1) * ranks)
             explained = [
                 Prediction(
@@ -432,7 +436,7 @@ class _BatchExplainer:
                     score=scores[row],
                     probability=(
                         float(probabilities[position, targets[row]])
-                        if table and targets[row] >= 0
+                        if probabilities is not None and targets[row] >= 0
                         else None
                     ),
                 )
@@ -475,13 +479,22 @@ class _BatchExplainer:
         return class_name(self.categories, class_id)
 
 
-def class_name(categories: Sequence[str] | None, class_id: int) -> str:
-    """The name of class ``class_id``: from ``categories``, or ``"class 7"``."""
-    if class_id < 0:
-        return "custom target"
-    if categories is not None and class_id < len(categories):
-        return categories[class_id]
-    return f"class {class_id}"
+_NOT_FINITE = (
+    "the model's output or the map is not finite (NaN or Inf) for this input; check the "
+    "weights (`camviz inspect` names the first layer that makes a NaN)"
+)
+
+
+def _finite_per_sample(
+    logits: torch.Tensor, scores: torch.Tensor, heatmaps: torch.Tensor, count: int
+) -> list[bool]:
+    """Whether each sample's output, explained scores and maps are all finite numbers."""
+    finite = torch.ones(count, dtype=torch.bool)
+    for values in (logits, scores, heatmaps):
+        if values.dim() > 0 and values.shape[0] % count == 0:
+            per_sample = values.detach().cpu().reshape(count, -1)
+            finite &= torch.isfinite(per_sample).all(dim=1)
+    return finite.tolist()
 
 
 def _failed(sample: _Sample, reason: str, items: list[Item] | None) -> ImageResult:
