@@ -4,6 +4,12 @@ The engine (:mod:`camviz.cams.engine`) runs the model once, records the target l
 activations and, if the method asks for them, the exact gradients of the explained score
 with respect to those activations. A method only turns that :class:`LayerData` into one
 raw map per sample; the engine applies ReLU, normalises and upsamples.
+
+Activations are channels-first ``(N, C, *grid)`` with one to three grid axes (signals,
+images, volumes), so methods reduce over :func:`grid_dims`, never over fixed axes.
+Methods whose map is a weighted sum of channels, ``sum_k w_k A^k``, derive from
+:class:`ChannelWeighted` and give the weights; the engine forms the map and reports the
+weights (``Explanation.weights``).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from camviz.cams.layout import Layout
+    from camviz.core.inputs import Inputs
 
 
 @dataclass
@@ -25,17 +32,20 @@ class LayerData:
 
     Attributes:
         layer: The layer's name.
-        activations: ``A``, the layer's output, ``(N, C, h, w)``.
+        activations: ``A``, the layer's output as ``(N, C, *grid)``.
         gradients: ``dy/dA`` for the explained score ``y`` of each sample, same shape, or
             ``None`` for methods that do not ask for gradients.
         model: The network (in eval mode while the method runs).
-        inputs: The input batch, ``(N, 3, H, W)``.
+        inputs: The map input, ``(N, C, *spatial)`` (see :mod:`camviz.core.inputs`).
         score: Maps a model output to the ``(N,)`` explained scores.
         class_ids: The explained class of each sample, ``(N,)``, or ``None`` when the
             target is a callable.
         scores: The explained score of each sample in the unperturbed forward pass, ``(N,)``.
         layout: How the layer lays out its own output (:class:`camviz.cams.layout.Layout`;
-            ``activations`` is its ``(N, C, h, w)`` view), for methods that edit the layer.
+            ``activations`` is its ``(N, C, *grid)`` view), for methods that edit the layer.
+        batch: All the model's inputs; methods that run the model call
+            ``batch.run(model, x, rows)`` with a changed map input ``x`` whose row ``r`` was
+            made from sample ``rows[r]`` (the other inputs follow).
 
     ``score(output, samples)`` also scores perturbed batches: ``samples`` is the ``(R,)``
     index of the input each output row was made from (``None``: row ``n`` is input ``n``).
@@ -50,6 +60,23 @@ class LayerData:
     class_ids: torch.Tensor | None
     scores: torch.Tensor | None = None
     layout: Layout | None = None
+    batch: Inputs | None = None
+
+    def run(self, inputs: torch.Tensor, rows: torch.Tensor | None = None) -> object:
+        """The model's output with the map input replaced by ``inputs`` (rows: see above)."""
+        if self.batch is None:
+            return self.model(inputs)
+        return self.batch.run(self.model, inputs, rows)
+
+
+def grid_dims(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The grid axes of an ``(N, C, *grid)`` tensor: ``(2,)``, ``(2, 3)`` or ``(2, 3, 4)``."""
+    return tuple(range(2, tensor.dim()))
+
+
+def weighted_sum(weights: torch.Tensor, activations: torch.Tensor) -> torch.Tensor:
+    """``sum_k w_k A^k``: ``(N, C)`` weights and ``(N, C, *grid)`` maps to ``(N, *grid)``."""
+    return (weights.view(*weights.shape, *[1] * (activations.dim() - 2)) * activations).sum(1)
 
 
 class CamMethod:
@@ -68,7 +95,7 @@ class CamMethod:
     uses_gradients: ClassVar[bool] = True
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
-        """The raw ``(N, h, w)`` map, before ReLU and normalisation."""
+        """The raw ``(N, *grid)`` map, before ReLU and normalisation."""
         raise NotImplementedError
 
     def rank_maps(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
@@ -78,3 +105,26 @@ class CamMethod:
         same perturbed outputs; the others compute rank by rank.
         """
         return [self.layer_map(data) for data in ranks]
+
+
+class ChannelWeighted(CamMethod):
+    """A method whose map is a weighted sum of the layer's channels, ``sum_k w_k A^k``.
+
+    Subclasses implement :meth:`channel_weights` (or :meth:`rank_weights`, to share work
+    between the ranks of a top-k target).
+    """
+
+    def channel_weights(self, data: LayerData) -> torch.Tensor:
+        """The ``(N, C)`` weights ``w_k`` of each sample."""
+        raise NotImplementedError
+
+    def rank_weights(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
+        """The ``(N, C)`` weights of every target rank of one layer."""
+        return [self.channel_weights(data) for data in ranks]
+
+    def layer_map(self, data: LayerData) -> torch.Tensor:
+        return weighted_sum(self.channel_weights(data), data.activations)
+
+    def rank_maps(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
+        weights = self.rank_weights(ranks)
+        return [weighted_sum(w, data.activations) for w, data in zip(weights, ranks, strict=True)]

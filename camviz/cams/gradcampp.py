@@ -4,39 +4,39 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.base import ChannelWeighted, LayerData, grid_dims
 from camviz.cams.engine import layer_pass
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
 
 
-def plusplus_map(
+def plusplus_weights(
     activations: torch.Tensor,
     first: torch.Tensor,
     second: torch.Tensor,
     third: torch.Tensor,
 ) -> torch.Tensor:
-    """The Grad-CAM++ map from the first three derivatives of the score with respect to ``A``.
+    """The Grad-CAM++ channel weights from the first three derivatives of the score with respect to ``A``.
 
     Args:
-        activations: ``A``, ``(N, C, h, w)``.
+        activations: ``A``, ``(N, C, *grid)``.
         first: ``dy/dA`` (or its average over noisy inputs).
         second: ``(dy/dA)^2`` (or the average of the squares).
         third: ``(dy/dA)^3`` (or the average of the cubes).
 
     Returns:
-        ``sum_k w_k A^k``, ``(N, h, w)``.
+        The ``(N, C)`` weights ``w_k``.
     """
-    total = activations.sum(dim=(2, 3), keepdim=True)
+    dims = grid_dims(activations)
+    total = activations.sum(dim=dims, keepdim=True)
     denominator = 2 * second + total * third
     # A zero denominator means a zero gradient there (or an underflow): that pixel adds nothing.
     alpha = torch.where(denominator != 0, second / denominator, 0)
-    weights = (alpha * torch.relu(first)).sum(dim=(2, 3), keepdim=True)
-    return (weights * activations).sum(dim=1)
+    return (alpha * torch.relu(first)).sum(dim=dims)
 
 
 @register
-class GradCAMPlusPlus(CamMethod):
+class GradCAMPlusPlus(ChannelWeighted):
     """Grad-CAM++.
 
     Paper: Chattopadhay, Sarkar, Howlader and Balasubramanian, "Grad-CAM++: Generalized
@@ -65,14 +65,14 @@ class GradCAMPlusPlus(CamMethod):
         "Deep Convolutional Networks, WACV 2018"
     )
 
-    def layer_map(self, data: LayerData) -> torch.Tensor:
+    def channel_weights(self, data: LayerData) -> torch.Tensor:
         gradients = data.gradients
         squared = gradients.square()
-        return plusplus_map(data.activations, gradients, squared, squared * gradients)
+        return plusplus_weights(data.activations, gradients, squared, squared * gradients)
 
 
 @register
-class SmoothGradCAMPlusPlus(CamMethod):
+class SmoothGradCAMPlusPlus(ChannelWeighted):
     """Smooth Grad-CAM++: Grad-CAM++ with derivatives averaged over noisy copies of the input.
 
     Paper: Omeiza, Speakman, Cintas and Weldermariam, "Smooth Grad-CAM++: An Enhanced Inference
@@ -120,13 +120,13 @@ class SmoothGradCAMPlusPlus(CamMethod):
         self.noise = noise
         self.seed = seed
 
-    def layer_map(self, data: LayerData) -> torch.Tensor:
+    def channel_weights(self, data: LayerData) -> torch.Tensor:
         inputs = data.inputs
         generator = None
         if self.seed is not None:
             generator = torch.Generator(inputs.device).manual_seed(self.seed)
         low, high = inputs.flatten(1).aminmax(dim=1)
-        sigma = (self.noise * (high - low)).view(-1, 1, 1, 1)
+        sigma = (self.noise * (high - low)).view(-1, *[1] * (inputs.dim() - 1))
         moments = data.activations.new_zeros(3, *data.activations.shape)
         for _ in range(self.samples):
             noise = torch.randn(
@@ -134,8 +134,10 @@ class SmoothGradCAMPlusPlus(CamMethod):
             )
             # The score function is the explained target itself, so class ids, callables and
             # any output type carry over to the noisy batch unchanged.
-            noisy = layer_pass(data.model, inputs + sigma * noise, [data.layer], data.score)
+            noisy_inputs = inputs + sigma * noise
+            batch = data.batch.with_main(noisy_inputs) if data.batch is not None else noisy_inputs
+            noisy = layer_pass(data.model, batch, [data.layer], data.score)
             gradients = data.layout.to_spatial(noisy.gradients[data.layer][0])
             moments += torch.stack([gradients, gradients.square(), gradients.pow(3)])
         first, second, third = moments / self.samples
-        return plusplus_map(data.activations, first, second, third)
+        return plusplus_weights(data.activations, first, second, third)

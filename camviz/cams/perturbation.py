@@ -13,15 +13,15 @@ from typing import Any
 
 import torch
 
-from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.base import ChannelWeighted, LayerData
 from camviz.core.errors import CamvizError
 
 
-class PerturbationMethod(CamMethod):
+class PerturbationMethod(ChannelWeighted):
     """Base of the methods that weigh channels by scoring perturbed copies.
 
-    Subclasses implement :meth:`rank_maps`, which scores every rank of a top-k target from
-    the same perturbed passes; a single rank is the one-element case.
+    Subclasses implement :meth:`rank_weights`, which scores every rank of a top-k target
+    from the same perturbed passes; a single rank is the one-element case.
 
     Args:
         batch_size: Perturbed copies per forward pass (bounds memory); ``None`` lets the
@@ -33,8 +33,8 @@ class PerturbationMethod(CamMethod):
     def __init__(self, batch_size: int | None = None) -> None:
         self.batch_size = None if batch_size is None else checked_batch_size(self.name, batch_size)
 
-    def layer_map(self, data: LayerData) -> torch.Tensor:
-        return self.rank_maps([data])[0]
+    def channel_weights(self, data: LayerData) -> torch.Tensor:
+        return self.rank_weights([data])[0]
 
 
 def checked_batch_size(method: str, batch_size: int) -> int:

@@ -67,11 +67,9 @@ class ScoreCAM(PerturbationMethod):
     )
     needs = "a forward pass per channel (masked inputs)"
 
-    def rank_maps(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
-        activations = ranks[0].activations
+    def rank_weights(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
         with torch.inference_mode():
-            weights = self.channel_scores(ranks).softmax(dim=-1)
-        return [torch.einsum("nc,nchw->nhw", rank, activations) for rank in weights]
+            return list(self.channel_scores(ranks).softmax(dim=-1))
 
     def channel_scores(self, ranks: Sequence[LayerData]) -> torch.Tensor:
         """``(K, N, C)``: the score of each rank for each image masked by each channel."""
@@ -82,9 +80,10 @@ class ScoreCAM(PerturbationMethod):
         for pairs in (~constant).nonzero().split(self.rows_per_pass(data.inputs)):
             samples, channels = pairs.unbind(dim=1)
             masked = data.inputs[samples] * self.masks(data, samples, channels).unsqueeze(1)
-            scores[:, samples, channels] = rank_scores(data.model(masked), ranks, samples)
+            scores[:, samples, channels] = rank_scores(data.run(masked, samples), ranks, samples)
         if constant.any():
-            blank = data.model(torch.zeros_like(data.inputs[:1]))
+            first = torch.zeros(1, dtype=torch.long, device=data.inputs.device)
+            blank = data.run(torch.zeros_like(data.inputs[:1]), first)
             batch = torch.arange(constant.shape[0], device=constant.device)
             blank_scores = rank_scores(take_rows(blank, torch.zeros_like(batch)), ranks, batch)
             scores = torch.where(constant, blank_scores.unsqueeze(-1), scores)
@@ -100,8 +99,8 @@ class ScoreCAM(PerturbationMethod):
 
     @staticmethod
     def masks(data: LayerData, samples: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
-        """``(R, H, W)`` masks ``s(U(A^k))`` of the given (image, channel) pairs."""
-        return normalize(upsample(data.activations[samples, channels], data.inputs.shape[-2:]))
+        """``(R, *spatial)`` masks ``s(U(A^k))`` of the given (sample, channel) pairs."""
+        return normalize(upsample(data.activations[samples, channels], data.inputs.shape[2:]))
 
 
 @register
@@ -175,6 +174,6 @@ class SSCAM(ScoreCAM):
                 )
                 masked = inputs[samples] * (masks + self.std * noise).unsqueeze(1)
                 scores[:, samples, chunk_channels] += rank_scores(
-                    data.model(masked), ranks, samples
+                    data.run(masked, samples), ranks, samples
                 )
         return scores / self.num_samples

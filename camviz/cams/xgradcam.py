@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.base import ChannelWeighted, LayerData, grid_dims
 from camviz.cams.registry import register
 
 
 @register
-class XGradCAM(CamMethod):
+class XGradCAM(ChannelWeighted):
     """XGrad-CAM (Axiom-based Grad-CAM).
 
     Paper: Fu et al., "Axiom-based Grad-CAM: Towards Accurate Visualization
@@ -31,9 +31,8 @@ class XGradCAM(CamMethod):
         "CNNs, BMVC 2020"
     )
 
-    def layer_map(self, data: LayerData) -> torch.Tensor:
+    def channel_weights(self, data: LayerData) -> torch.Tensor:
         activations = data.activations
-        total = activations.sum(dim=(2, 3), keepdim=True)
-        weighted = (data.gradients * activations).sum(dim=(2, 3), keepdim=True)
-        weights = torch.where(total != 0, weighted / total, 0)
-        return (weights * activations).sum(dim=1)
+        total = activations.sum(dim=grid_dims(activations))
+        weighted = (data.gradients * activations).sum(dim=grid_dims(activations))
+        return torch.where(total != 0, weighted / total, 0)
