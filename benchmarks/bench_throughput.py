@@ -35,9 +35,9 @@ from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset
 
 import camviz
+from camviz.io.images import load_image
 from camviz.pipeline.dataset import explain_dataset
 from camviz.pipeline.job import Outputs, explain_files
-from camviz.io.images import load_image
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 

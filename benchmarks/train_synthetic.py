@@ -1,4 +1,4 @@
-"""Train the small CNN of the synthetic localisation benchmark; writes camviz/evaluation/synthetic_cnn.pt.
+"""Train the small CNN of the synthetic localisation benchmark (weights shipped in the package).
 
     python benchmarks/train_synthetic.py            # about a minute on 2 CPU cores
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 
-from camviz.io.render import atomic_write
 from camviz.evaluation.synthetic import SHIPPED_WEIGHTS, SyntheticCNN, make_dataset
+from camviz.io.render import atomic_write
 
 TRAIN_SEED = 0
 HELD_OUT_SEED = 1

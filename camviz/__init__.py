@@ -118,7 +118,7 @@ if TYPE_CHECKING:
     from camviz.io import render as render
     from camviz.io.images import Preprocess as Preprocess
     from camviz.io.images import load_image as load_image
-    from camviz.io.models import load as load_model
+    from camviz.io.models import load as load_model  # noqa: F401 - re-exported by _EXPORTS
     from camviz.io.render import channel_grid as channel_grid
     from camviz.io.render import overlay as overlay
     from camviz.io.render import panel as panel

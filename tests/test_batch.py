@@ -20,12 +20,12 @@ from PIL import Image
 
 import camviz
 from camviz.cli import main
+from camviz.core.errors import CamvizError
+from camviz.io.images import load_image
 from camviz.pipeline.dataset import _Buckets, _Sample, explain_dataset
 from camviz.pipeline.distributed import Context, shard
-from camviz.core.errors import CamvizError
-from camviz.pipeline.job import save_heatmap
-from camviz.io.images import load_image
 from camviz.pipeline.inputs import expand
+from camviz.pipeline.job import save_heatmap
 from camviz.pipeline.writer import Writer
 
 MODEL = "mobilenet_v3_small"
@@ -269,7 +269,7 @@ KILLED_RUN = """
 import os, signal, sys
 import camviz.pipeline.job
 from camviz.cli import main
-from camviz.io.render import atomic_write
+from camviz.io.atomic import atomic_write
 
 saved = 0
 real_save = camviz.pipeline.job._save_png

@@ -16,11 +16,11 @@ from torchvision.utils import save_image
 
 import camviz
 from camviz.cli import main
-from camviz.evaluation.report import compare, write_report
-from camviz.io.images import Preprocess, load_image
 from camviz.evaluation.metrics import confidence, deletion, insertion
-from camviz.io.models import LoadedModel
+from camviz.evaluation.report import compare, write_report
 from camviz.evaluation.synthetic import CLASSES, TARGET_LAYER, load_model, make_dataset
+from camviz.io.images import Preprocess, load_image
+from camviz.io.models import LoadedModel
 
 STEPS = 5
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from camviz.debug.edits import add_noise, clamp, keep_channels, spatial_mask, zero_channels
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import capture, edit
+from camviz.debug.edits import add_noise, clamp, keep_channels, spatial_mask, zero_channels
 from camviz.debug.layerstats import inspect
 
 

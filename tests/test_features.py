@@ -14,8 +14,8 @@ from torchvision.models.feature_extraction import create_feature_extractor
 
 import camviz.cli
 from camviz.core.errors import CamvizError
-from camviz.debug.extraction import features
 from camviz.core.hooks import capture
+from camviz.debug.extraction import features
 from camviz.io.images import load_image
 from camviz.io.models import load
 from camviz.io.render import channel_grid

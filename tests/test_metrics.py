@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from camviz.evaluation import metrics
 from camviz.core.errors import CamvizError
+from camviz.evaluation import metrics
 
 # Pixel weights 1..16 in raster order: the logit of class 0 is sum_ij W_ij * x_ij.
 WEIGHTS = torch.arange(1.0, 17.0).view(4, 4)

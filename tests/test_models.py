@@ -18,8 +18,8 @@ import torch
 import torchvision
 from torch import nn
 
-from camviz.io import models
 from camviz.core.errors import CamvizError
+from camviz.io import models
 from camviz.io.images import load_image
 
 IMAGENET_CATS = range(281, 286)  # tabby, tiger cat, Persian, Siamese, Egyptian cat

@@ -12,8 +12,8 @@ import torch
 from matplotlib.figure import Figure
 from PIL import Image
 
-from camviz.io import render
 from camviz.core.errors import CamvizError
+from camviz.io import render
 from camviz.io.render import (
     atomic_write,
     channel_figure,

@@ -1,32 +1,20 @@
 """The engine: one forward pass, exactly the gradients a method needs, then post-processing.
 
-How the gradient ``dy/dA`` at a target layer is obtained, and why this way:
-
-1. The model runs under ``torch.no_grad()``: the part of the network *before* the target
-   layer keeps no autograd graph at all, so memory stays that of plain inference.
-2. A forward hook on the target layer (an :func:`camviz.core.hooks.edit`) copies the output
-   ``A``, switches grad mode on, and hands the rest of the network ``A + delta`` where
-   ``delta`` is a zero tensor that requires grad. From there on autograd records the graph.
-3. ``torch.autograd.grad(y.sum(), delta)`` gives ``dy/d(A + delta) = dy/dA`` - for every
-   sample at once, because in eval mode samples do not interact. Only the graph after the
-   layer is walked; no parameter ``.grad`` is written and none is computed.
-
-Because the rest of the network sees a *new* tensor, in-place operations after the layer
-(``ReLU(inplace=True)``, ResNet's ``out += identity`` right after ``layer4.1.bn2``) change
-neither the recorded activations nor the gradient. Hooks built on
-``register_full_backward_hook`` fail there, and hooks on the original output tensor record
-the overwritten values; both give wrong maps on ResNet's ``bn2`` layers.
-
-With several target layers each gets its own ``delta``; a later layer's output still
-depends on the earlier ``delta``, so every gradient stays exact.
-
-Whatever happens, the model comes back as it was: hooks removed, every module's
-train/eval flag restored, ``requires_grad`` and ``.grad`` never touched.
+The model runs under ``torch.no_grad()``. A forward hook on each target layer copies its
+output ``A`` and hands the rest of the network ``A + delta``, where ``delta`` is a zero tensor
+that requires grad; ``torch.autograd.grad(y.sum(), delta)`` is then exactly ``dy/dA`` for
+every sample. Nothing below the layer keeps a graph, no parameter gradient is computed, and
+in-place operations after the layer cannot change what was recorded (why this way, and not
+with backward hooks: ``docs/architecture.md``). Methods turn the recorded :class:`LayerData`
+into raw maps; the engine applies ReLU, normalises, resizes and fuses.
 
 Inputs of any spatial rank (signals, images, volumes and clips), several inputs
 (:mod:`camviz.core.inputs`), taps on a layer's input or one element of its output
 (:mod:`camviz.core.taps`), and layouts told from the module that produced an output
 (:mod:`camviz.cams.layout`) all meet here.
+
+Whatever happens, the model comes back as it was: hooks removed, every module's train/eval
+flag restored, ``requires_grad`` and ``.grad`` never touched.
 """
 
 from __future__ import annotations
@@ -47,7 +35,7 @@ from camviz.core.errors import CamvizError
 from camviz.core.hooks import detach_to
 from camviz.core.inputs import Inputs, Key, as_inputs
 from camviz.core.layerkinds import CallLog, Kind, module_kind, record_calls
-from camviz.core.layers import default_target_layer
+from camviz.core.layers import Layer, default_target_layer
 from camviz.core.maps import normalize as normalize_maps
 from camviz.core.maps import normalize_signed, upsample
 from camviz.core.modelstate import eval_mode
@@ -56,7 +44,6 @@ from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 from camviz.core.taps import At, edit_spots, parse, spot_keys
 
 Fuse = Literal["mean", "max"]
-LayerArg = str | nn.Module | Sequence[str | nn.Module] | None
 
 # as_spatial is re-exported: methods that run their own layer passes use it.
 __all__ = ["Explanation", "LayerPass", "as_spatial", "explain", "layer_pass"]
@@ -241,7 +228,7 @@ def explain(
     model: nn.Module,
     inputs: torch.Tensor | Sequence[Any] | Mapping[str, Any],
     method: str | CamMethod = "gradcam",
-    layer: LayerArg = None,
+    layer: Layer | Sequence[Layer] | None = None,
     target: Target = None,
     *,
     output_key: str | int | None = None,
@@ -266,8 +253,8 @@ def explain(
             image for a 2-D image model), a tuple of inputs passed positionally or a dict
             passed as keywords (:mod:`camviz.core.inputs`).
         method: A registry name (:func:`camviz.cams.names`) or a method instance.
-        layer: Target layer name(s), wildcard pattern(s), ``nn.Module`` object(s) of the
-            model, or a list of them; ``"name[0]"`` / ``"name[key]"`` takes one element of
+        layer: Target layer (s): names, wildcard patterns or submodules of the model,
+            or a list of them; ``"name[0]"`` / ``"name[key]"`` takes one element of
             a tuple, list or dict output (:mod:`camviz.core.taps`). ``None`` picks the last
             layer with a spatial output, or for a vision transformer the norm before its
             last attention (:func:`camviz.core.layers.default_target_layer`; found once per

@@ -40,8 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from camviz import cams
     from camviz.cli.options import load_model
-    from camviz.evaluation.report import compare, write_report
     from camviz.core.errors import CamvizError
+    from camviz.evaluation.report import compare, write_report
 
     methods = cams.names() if args.methods == "all" else _split(args.methods)
     for method in methods:

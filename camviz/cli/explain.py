@@ -104,11 +104,11 @@ def _not_negative(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from camviz.pipeline import distributed
     from camviz.cli.options import load_model
     from camviz.core.errors import CamvizError
-    from camviz.pipeline.job import Outputs, RenderOptions, explain_files
     from camviz.io.render import check_render_options
+    from camviz.pipeline import distributed
+    from camviz.pipeline.job import Outputs, RenderOptions, explain_files
 
     check_render_options(args.alpha, args.colormap)
     outputs = Outputs(overlay=args.overlay, panel=args.panel, heatmap=args.heatmap)

@@ -45,8 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from camviz.cli.options import load_model
-    from camviz.io.images import load_image
     from camviz.debug.layerstats import find_first_nonfinite, inspect
+    from camviz.io.images import load_image
 
     loaded = load_model(args)
     image = load_image(args.image) if args.image else _random_image(loaded.preprocess, args.seed)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from camviz.core.errors import CamvizError
-from camviz.core.layers import resolve_layers
+from camviz.core.layers import Layer, resolve_layers
 from camviz.core.modelstate import HookSet
 
 Keep = Literal["last", "all"]
@@ -127,7 +127,7 @@ class Capture:
 @contextlib.contextmanager
 def capture(
     model: nn.Module,
-    layers: str | Iterable[str],
+    layers: Layer | Iterable[Layer],
     *,
     gradients: bool = False,
     inputs: bool = True,

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from camviz.core.batch import model_device
 from camviz.core.errors import CamvizError
 from camviz.core.layerkinds import spatial_rank_of_model
 
@@ -122,8 +123,7 @@ def as_inputs(inputs: Any, model: nn.Module, map_input: Key | None = None) -> In
             f"{type(inputs).__name__}; preprocess images first (camviz.images.load_batch)"
         )
     key = _map_key(args, kwargs, map_input)
-    parameter = next(model.parameters(), None)
-    device = parameter.device if parameter is not None else None
+    device = model_device(model)
     moved = Inputs(
         tuple(_to(value, device) for value in args),
         {name: _to(value, device) for name, value in kwargs.items()},

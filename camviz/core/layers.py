@@ -1,8 +1,9 @@
-"""Turn layer names and patterns into modules, and pick a target layer when none is given.
+"""Turn layer names, patterns and modules into named modules; pick a default target layer.
 
-Names are those of ``model.named_modules()`` (``"layer4"``, ``"layer4.1.bn2"``,
-``"features.8"``). Patterns use shell wildcards (``"layer*.0.conv1"``). An unknown name is a
-:class:`~camviz.core.errors.CamvizError` that lists the closest real names.
+A layer is given as a name of ``model.named_modules()`` (``"layer4"``, ``"layer4.1.bn2"``,
+``"features.8"``), a shell-wildcard pattern (``"layer*.0.conv1"``) or the submodule itself
+(``model.layer4``). An unknown name is a :class:`~camviz.core.errors.CamvizError` that lists
+the closest real names.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import fnmatch
 import weakref
 from collections.abc import Iterable, Sequence
 from functools import partial
+from typing import TypeAlias
 
 import torch
 from torch import nn
@@ -24,42 +26,66 @@ from camviz.core.modelstate import HookSet, eval_mode
 
 _WILDCARDS = frozenset("*?[")
 
+Layer: TypeAlias = str | nn.Module
+"""A layer: its name, a wildcard pattern, or the submodule itself."""
+
 
 def layer_names(model: nn.Module) -> list[str]:
     """All named submodules of ``model`` in definition order (the root itself excluded)."""
     return [name for name, _ in model.named_modules() if name]
 
 
-def resolve_layers(model: nn.Module, names: str | Iterable[str]) -> dict[str, nn.Module]:
-    """Map names or wildcard patterns to the modules they denote, keeping the given order.
+def resolve_layers(model: nn.Module, layers: Layer | Iterable[Layer]) -> dict[str, nn.Module]:
+    """Map names, wildcard patterns or submodules to named modules, keeping the given order.
 
     Args:
         model: The network whose submodules are looked up.
-        names: One name or several; each may be a pattern such as ``"layer*.0.conv1"``.
+        layers: One layer or several; each a name, a pattern such as ``"layer*.0.conv1"``,
+            or a submodule of ``model`` (found by identity, named as ``named_modules`` does).
 
     Returns:
         An ordered ``{name: module}`` dict without duplicates.
 
     Raises:
-        CamvizError: A name matches nothing; the message suggests the closest names.
+        CamvizError: A name matches nothing (the message suggests the closest names), a
+            module is not part of ``model``, or a layer is neither a string nor a module.
     """
-    if isinstance(names, str):
-        names = [names]
+    if isinstance(layers, (str, nn.Module)):
+        layers = [layers]
+    elif not isinstance(layers, Iterable):
+        raise CamvizError(_wrong_type_message(layers))
     modules = dict(model.named_modules())
     modules.pop("", None)
     resolved: dict[str, nn.Module] = {}
-    for name in names:
-        if _WILDCARDS.intersection(name):
-            matches = [candidate for candidate in modules if fnmatch.fnmatchcase(candidate, name)]
+    for layer in layers:
+        if isinstance(layer, nn.Module):
+            matches = [name for name, module in modules.items() if module is layer][:1]
+            if not matches:
+                raise CamvizError(
+                    f"the {type(layer).__name__} given as layer is not a submodule of this "
+                    "model; pass one of its submodules (model.NAME) or a layer name"
+                )
+        elif isinstance(layer, str):
+            if _WILDCARDS.intersection(layer):
+                matches = [name for name in modules if fnmatch.fnmatchcase(name, layer)]
+            else:
+                matches = [layer] if layer in modules else []
+            if not matches:
+                raise CamvizError(_unknown_layer_message(layer, list(modules)))
         else:
-            matches = [name] if name in modules else []
-        if not matches:
-            raise CamvizError(_unknown_layer_message(name, list(modules)))
+            raise CamvizError(_wrong_type_message(layer))
         for match in matches:
             resolved[match] = modules[match]
     if not resolved:
         raise CamvizError("no layer was named; give at least one layer name")
     return resolved
+
+
+def _wrong_type_message(layer: object) -> str:
+    return (
+        f"a layer must be a name, a wildcard pattern or a submodule of the model, not "
+        f"{type(layer).__name__} {layer!r}"
+    )
 
 
 def _unknown_layer_message(name: str, candidates: Sequence[str]) -> str:

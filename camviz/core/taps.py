@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from camviz.core.errors import CamvizError
-from camviz.core.layers import resolve_layers
+from camviz.core.layers import Layer, resolve_layers
 from camviz.core.modelstate import HookSet
 
 At = Literal["output", "input"]
@@ -66,13 +66,18 @@ def _element(text: str) -> int | str:
     return int(text) if re.fullmatch(r"-?\d+", text) else text
 
 
-def spot_keys(model: nn.Module, layer: str | nn.Module | Iterable[str | nn.Module], at: At) -> list[str]:
-    """The spot keys that ``layer`` (names, patterns, modules, or a list of them) denotes."""
+def spot_keys(model: nn.Module, layer: Layer | Iterable[Layer], at: At) -> list[str]:
+    """The spot keys that ``layer`` (names, patterns, submodules, or a list of them) denotes.
+
+    Raises:
+        CamvizError: A layer is unknown or not part of the model, or ``at`` is unknown.
+    """
     if at not in ("output", "input"):
         raise CamvizError(f"at must be 'output' or 'input', not {at!r}")
-    items = [layer] if isinstance(layer, (str, nn.Module)) else list(layer)
+    if isinstance(layer, (str, nn.Module)) or not isinstance(layer, Iterable):
+        layer = [layer]  # type: ignore[list-item]  # resolve_layers names a wrong type
     keys: list[str] = []
-    for item in items:
+    for item in layer:
         spot = parse(item, at) if isinstance(item, str) else Spot("", at, ())
         for name in resolve_layers(model, spot.name if isinstance(item, str) else [item]):
             key = Spot(name, spot.at, spot.path).key

@@ -236,7 +236,7 @@ def _class_scores(output: Any, output_key: str | int | None) -> torch.Tensor:
         raise CamvizError(
             f"class-id targets need (N, classes) scores, but the model output has shape "
             f"{tuple(logits.shape)}; for a segmentation output use "
-            "camviz.core.targets.Region(class_id, mask), or pass a callable target"
+            "camviz.Region(class_id, mask), or pass a callable target"
         )
     return logits
 
@@ -343,3 +343,15 @@ def _region_score(
     if not bool(mask.flatten(-2).ne(0).any(-1).all()):
         raise CamvizError("Region.mask selects no pixel (for some sample); give a non-empty region")
     return _RegionScore(class_id, mask.to(logits.dtype), output_key)
+
+
+def class_name(categories: Sequence[str] | None, class_id: int) -> str:
+    """The name of class ``class_id``: from ``categories``, or ``"class 7"``.
+
+    ``-1`` stands for a target that is not a class (a callable, a region, a contrast).
+    """
+    if class_id < 0:
+        return "custom target"
+    if categories is not None and class_id < len(categories):
+        return categories[class_id]
+    return f"class {class_id}"

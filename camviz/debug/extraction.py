@@ -8,15 +8,16 @@ forward hooks (:func:`camviz.core.hooks.capture`) and runs the model as it is.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from camviz.core.batch import call_model
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import capture
+from camviz.core.layers import Layer
 from camviz.core.modelstate import eval_mode
 
 
@@ -36,7 +37,7 @@ class Features(dict):
 def features(
     model: nn.Module,
     inputs: Any,
-    layers: str | Iterable[str],
+    layers: Layer | Iterable[Layer],
     *,
     device: torch.device | str | None = None,
     inputs_too: bool = False,
@@ -85,30 +86,3 @@ def features(
         {name: record.activations[name] for name in record.layers},
         {name: record.inputs[name] for name in record.layers} if inputs_too else {},
     )
-
-
-def call_model(model: nn.Module, inputs: Any) -> Any:
-    """``model(inputs)``, ``model(*inputs)`` or ``model(**inputs)``, on the model's device.
-
-    Args:
-        model: The network to run.
-        inputs: A tensor, a tuple or list of positional arguments, or a dict of keyword
-            arguments. Tensors among them are moved to the device of the model's first
-            parameter (or buffer); a model with neither takes them as they are.
-    """
-    device = model_device(model)
-
-    def move(value: Any) -> Any:
-        return value.to(device) if isinstance(value, torch.Tensor) and device else value
-
-    if isinstance(inputs, Mapping):
-        return model(**{key: move(value) for key, value in inputs.items()})
-    if isinstance(inputs, Sequence) and not isinstance(inputs, str):
-        return model(*(move(value) for value in inputs))
-    return model(move(inputs))
-
-
-def model_device(model: nn.Module) -> torch.device | None:
-    """The device of the model's first parameter or buffer, or ``None`` if it has neither."""
-    tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
-    return None if tensor is None else tensor.device

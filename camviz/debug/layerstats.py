@@ -28,12 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from camviz.core.batch import call_model
 from camviz.core.errors import CamvizError
-from camviz.debug.extraction import call_model
 from camviz.core.hooks import tensors_in
-from camviz.core.layers import resolve_layers
+from camviz.core.layers import Layer, resolve_layers
 from camviz.core.modelstate import HookSet, eval_mode
 from camviz.core.targets import Target, score_fns
+from camviz.io.atomic import atomic_write
 
 # The order of the numbers that tensor_stats returns.
 STATISTICS = ("mean", "std", "min", "max", "zeros", "nans", "infs")
@@ -224,7 +225,7 @@ def inspect(
     model: nn.Module,
     inputs: Any,
     *,
-    layers: str | Iterable[str] | None = None,
+    layers: Layer | Iterable[Layer] | None = None,
     backward: bool = False,
     target: Target = None,
 ) -> LayerTable:
@@ -387,7 +388,7 @@ class _Recorder(HookSet):
     def __init__(
         self,
         model: nn.Module,
-        layers: str | Iterable[str] | None,
+        layers: Layer | Iterable[Layer] | None,
         *,
         gradients: bool,
         inputs: bool = False,
@@ -501,8 +502,6 @@ def _differentiable(model: nn.Module, inputs: Any) -> tuple[list[torch.Tensor], 
 
 
 def _write_text(path: str | Path, text: str) -> Path:
-    from camviz.io.render import atomic_write  # matplotlib is only needed for writing files
-
     with atomic_write(path, "w") as file:
         file.write(text)
     return Path(path)

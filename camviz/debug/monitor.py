@@ -33,7 +33,7 @@ from torch import nn
 
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import tensors_in
-from camviz.core.layers import resolve_layers
+from camviz.core.layers import Layer, resolve_layers
 from camviz.core.modelstate import HookSet
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ class GradientMonitor:
     def __init__(
         self,
         model: nn.Module,
-        layers: str | Iterable[str] | None = None,
+        layers: Layer | Iterable[Layer] | None = None,
         params: bool = True,
         *,
         optimizer: torch.optim.Optimizer | None = None,

@@ -41,6 +41,7 @@ import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 from torchvision.transforms.v2 import functional as TF  # noqa: N812 - the conventional name
 
+from camviz.core.batch import as_batch
 from camviz.core.errors import CamvizError
 from camviz.core.maps import upsample
 from camviz.core.modelstate import eval_mode
@@ -479,7 +480,7 @@ class _Context:
             raise CamvizError(f"score must be 'probability' or 'logit', not {score!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise CamvizError(f"batch_size must be a positive integer, not {batch_size!r}")
-        inputs = _checked_inputs(model, inputs)
+        inputs = as_batch(inputs, model, single=False)
         maps = _checked_maps(heatmaps, inputs)
         order = torch.argsort(maps.flatten(1), dim=1, descending=True, stable=True)
         ranks = torch.empty_like(order)
@@ -538,14 +539,6 @@ class _Context:
         rows = torch.arange(len(self.inputs) * len(points), device=self.inputs.device)
         scores = self.scores(step_images, rows // len(points))
         return Curve(fractions=counts.float() / pixels, scores=scores.view(-1, len(points)))
-
-
-def _checked_inputs(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
-    if not isinstance(inputs, torch.Tensor) or inputs.dim() != 4 or not inputs.is_floating_point():
-        shape = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
-        raise CamvizError(f"inputs must be a float (N, C, H, W) batch, got {shape}")
-    parameter = next(model.parameters(), None)
-    return inputs.detach().to(parameter.device) if parameter is not None else inputs.detach()
 
 
 def _checked_maps(heatmaps: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:

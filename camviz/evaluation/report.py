@@ -31,12 +31,15 @@ from PIL import Image
 
 from camviz.cams.engine import explain
 from camviz.cams.registry import get
+from camviz.core.batch import as_batch
 from camviz.core.errors import CamvizError
-from camviz.io.images import load_image
+from camviz.core.layers import Layer
+from camviz.core.targets import as_logits, class_name
 from camviz.evaluation.metrics import confidence, deletion, insertion, win_rate
+from camviz.io.atomic import atomic_write
+from camviz.io.images import load_image
 from camviz.io.models import LoadedModel
-from camviz.io.render import atomic_write, overlay
-from camviz.core.targets import as_logits
+from camviz.io.render import overlay
 
 REPORT = "report.html"
 METRICS = "metrics.csv"
@@ -132,7 +135,7 @@ def compare(
     loaded: LoadedModel,
     methods: Sequence[str],
     *,
-    layer: str | Sequence[str] | None = None,
+    layer: Layer | Sequence[Layer] | None = None,
     steps: int = 20,
     batch_size: int = 16,
     thumbnail: int = 128,
@@ -161,10 +164,9 @@ def compare(
     images = [load_image(path) for path in paths]
     layer = layer if layer is not None else loaded.default_layer
     model = loaded.model
-    device = next(model.parameters()).device
     cells, thumbnails = [], []
     for path, image in zip(paths, images, strict=True):
-        inputs = loaded.preprocess(image).unsqueeze(0).to(device)
+        inputs = as_batch(loaded.preprocess(image), model)
         with torch.inference_mode():
             probabilities = as_logits(model(inputs)).softmax(dim=-1)[0]
         class_id = int(probabilities.argmax())
@@ -172,8 +174,8 @@ def compare(
         for name in names:
             started = time.perf_counter()
             heatmaps.append(explain(model, inputs, name, layer, class_id).heatmaps[0])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            if inputs.device.type == "cuda":
+                torch.cuda.synchronize(inputs.device)
             seconds.append(time.perf_counter() - started)
             if progress is not None:
                 progress(f"{Path(path).name}: {name} ({seconds[-1]:.2f} s)")
@@ -191,7 +193,7 @@ def compare(
                     image=Path(path).name,
                     method=name,
                     class_id=class_id,
-                    class_name=_class_name(loaded, class_id),
+                    class_name=class_name(loaded.categories, class_id),
                     probability=float(probabilities[class_id]),
                     seconds=seconds[index],
                     fractions=deleted.fractions.tolist(),
@@ -435,12 +437,6 @@ def _write_csv(path: Path, rows: list[dict[str, float | int | str]]) -> None:
         writer = csv.DictWriter(file, fieldnames=list(rows[0]), lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-
-
-def _class_name(loaded: LoadedModel, class_id: int) -> str:
-    if 0 <= class_id < len(loaded.categories):
-        return loaded.categories[class_id]
-    return f"class {class_id}"
 
 
 def _mean(values: object) -> float:

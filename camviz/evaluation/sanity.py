@@ -29,8 +29,9 @@ from torch import nn
 
 from camviz.cams.base import CamMethod
 from camviz.cams.engine import explain
+from camviz.core.batch import as_batch
 from camviz.core.errors import CamvizError
-from camviz.core.layers import resolve_layers
+from camviz.core.layers import Layer, resolve_layers
 from camviz.core.modelstate import HookSet, eval_mode
 from camviz.core.targets import Target, TopK
 
@@ -81,7 +82,7 @@ def cascading_randomization(
     inputs: torch.Tensor,
     method: str | CamMethod | Explainer = "gradcam",
     *,
-    layer: str | Sequence[str] | None = None,
+    layer: Layer | Sequence[Layer] | None = None,
     target: Target = None,
     stages: Sequence[str] | None = None,
     seed: int = 0,
@@ -108,7 +109,9 @@ def cascading_randomization(
     """
     explainer, name = _explainer(method, layer)
     copied = copy.deepcopy(model)
-    inputs = _on_device(inputs, copied)
+    if next(copied.parameters(), None) is None:
+        raise CamvizError("the model has no parameters to randomise")
+    inputs = as_batch(inputs, copied, single=False)
     original = explainer(copied, inputs, target)
     target = _fixed_target(target, copied, inputs)
     modules = _stage_modules(copied, inputs, stages)
@@ -208,7 +211,7 @@ def _average_ranks(values: torch.Tensor) -> torch.Tensor:
 
 
 def _explainer(
-    method: str | CamMethod | Explainer, layer: str | Sequence[str] | None
+    method: str | CamMethod | Explainer, layer: Layer | Sequence[Layer] | None
 ) -> tuple[Explainer, str]:
     if isinstance(method, (str, CamMethod)):
         from camviz.cams.registry import get
@@ -224,15 +227,6 @@ def _explainer(
     if callable(method):
         return method, getattr(method, "__name__", type(method).__name__)
     raise CamvizError(f"method must be a CAM name, a CamMethod or a callable, not {method!r}")
-
-
-def _on_device(inputs: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    if not isinstance(inputs, torch.Tensor) or inputs.dim() != 4:
-        raise CamvizError("inputs must be an (N, C, H, W) tensor")
-    parameter = next(model.parameters(), None)
-    if parameter is None:
-        raise CamvizError("the model has no parameters to randomise")
-    return inputs.to(parameter.device)
 
 
 def _fixed_target(target: Target, model: nn.Module, inputs: torch.Tensor) -> Target:

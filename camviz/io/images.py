@@ -5,10 +5,8 @@
 * **Orientation.** The EXIF orientation tag is applied, so a phone photo comes out the way
   it is shown, and the heatmap lines up with what the user sees.
 * **Transparency** (RGBA, LA, palette or RGB with a transparent colour) is composited onto
-  white. Dropping the alpha channel instead would hand the model whatever colours hide
-  under transparent pixels (often black, sometimes leftovers of an edit) - pixels the user
-  never sees, but the classifier does, and the overlay would then explain an image nobody
-  looked at. White is how such images appear on a page.
+  white, as such images appear on a page; dropping the alpha channel would show the model
+  pixels the user never sees.
 * **16-bit and 32-bit** greyscale (``I;16``, ``I``, ``F``) is scaled to 8 bits over its full
   range. Pillow's own ``convert("L")`` clips those values at 255, which turns almost every
   16-bit photo white.

@@ -20,11 +20,9 @@ Preprocessing keeps the whole image (no centre crop, see :class:`camviz.images.P
 the shorter side is scaled to the model's input size, so the heatmap covers the full photo.
 The mean, std and interpolation are those the weights were trained with.
 
-Pretrained downloads go through torch hub and the Hugging Face hub. Both write to a
-temporary file and move it into the cache only when it is complete, so a failed download
-never leaves a broken checkpoint behind (torch hub deletes its ``.partial`` file; the
-Hugging Face hub keeps an ``.incomplete`` one to resume from). A failure is a
-:class:`~camviz.core.errors.CamvizError` saying what to do instead.
+Pretrained downloads go through torch hub and the Hugging Face hub, which never leave a
+broken checkpoint in their caches; a failure is a :class:`~camviz.core.errors.CamvizError`
+saying what to do instead (``--weights PATH``, or the offline default).
 """
 
 from __future__ import annotations

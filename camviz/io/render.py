@@ -8,25 +8,21 @@ Overlays are drawn at the *original* image's size: the heatmap (computed at the 
 input size) is stretched back onto the photo, not the photo squeezed to the model's size.
 
 Figures are built with :class:`matplotlib.figure.Figure` directly, never through
-``pyplot``: pyplot keeps every figure in a global registry until it is closed, which leaks
-memory when a loop renders hundreds of panels, and it needs a GUI backend. A bare
-``Figure`` is garbage-collected like any object and renders with Agg anywhere.
+``pyplot`` (whose global registry leaks figures in a loop and wants a GUI backend).
 
-Every file is written through :func:`atomic_write`, so a crash or an error halfway never
-leaves a partial file behind.
+Every file is written through :func:`camviz.io.atomic.atomic_write`, so a crash or an error
+halfway never leaves a partial file behind.
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import io
 import math
 import os
-import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Literal, TypeAlias
+from typing import Literal, TypeAlias
 
 import matplotlib
 import numpy as np
@@ -37,9 +33,10 @@ from PIL import Image
 from torchvision.utils import make_grid, save_image
 
 from camviz.core.errors import CamvizError
-from camviz.io.images import to_rgb
 from camviz.core.maps import normalize as normalize_maps
 from camviz.core.maps import upsample
+from camviz.io.atomic import atomic_write
+from camviz.io.images import to_rgb
 
 Heatmap: TypeAlias = torch.Tensor | np.ndarray
 Order = Literal["first", "strongest"]
@@ -350,63 +347,6 @@ def save(obj: Image.Image | Figure | torch.Tensor, path: str | os.PathLike[str])
             f"save takes a PIL image, a matplotlib Figure or a tensor, not {type(obj).__name__}"
         )
     return path
-
-
-@contextlib.contextmanager
-def atomic_write(path: str | os.PathLike[str], mode: Literal["wb", "w"] = "wb") -> Iterator[IO]:
-    """Open ``path`` for writing so that it appears complete or not at all.
-
-    The data goes to a hidden temporary file in the same folder, which replaces ``path``
-    (``os.replace``, atomic on one file system) only when the block ends without error.
-    On any error the temporary file is removed and ``path`` is left as it was. This guards
-    against a crashed or failed writer, not against power loss (there is no fsync).
-
-    Args:
-        path: The file to write; missing folders are created.
-        mode: ``"wb"`` for bytes, ``"w"`` for UTF-8 text.
-
-    Yields:
-        The open temporary file.
-
-    Raises:
-        CamvizError: The folder cannot be created or written to, or ``path`` is a folder.
-
-    Example:
-        >>> with atomic_write("out/manifest.json", "w") as file:
-        ...     json.dump(manifest, file)
-    """
-    if mode not in ("wb", "w"):
-        raise ValueError(f"mode must be 'wb' or 'w', not {mode!r}")
-    path = Path(path)
-    if path.is_dir():
-        raise CamvizError(f"{path} is a folder; give a file name inside it")
-    temporary = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # os.open with 0o666 lets the umask decide permissions, as for any new file;
-        # tempfile would create it readable by the owner only.
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    except OSError as error:
-        raise CamvizError(_unwritable(path, error)) from None
-    try:
-        with os.fdopen(descriptor, mode, encoding="utf-8" if mode == "w" else None) as file:
-            yield file
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    try:
-        os.replace(temporary, path)
-    except OSError as error:
-        temporary.unlink(missing_ok=True)
-        raise CamvizError(_unwritable(path, error)) from None
-
-
-def _unwritable(path: Path, error: OSError) -> str:
-    blocking = next((p for p in (path.parent, *path.parent.parents) if p.is_file()), None)
-    if blocking is not None:
-        return f"cannot write {path}: {blocking} is a file, not a folder; choose another path"
-    reason = error.strerror or type(error).__name__
-    return f"cannot write {path} ({reason}); choose an output folder you can write to"
 
 
 def _unknown_format(path: Path, examples: Sequence[str]) -> CamvizError:

@@ -13,7 +13,6 @@ that replaces the target only when complete, like every other camviz output.
 from __future__ import annotations
 
 import os
-import secrets
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 from PIL import Image
 
 from camviz.core.errors import CamvizError
+from camviz.io.atomic import temporary_path
 
 #: Codec for each video container camviz writes.
 FOURCC = {".mp4": "mp4v", ".avi": "MJPG"}
@@ -151,7 +151,7 @@ def write_video(
     if codec is None:
         raise CamvizError(f"cannot write a {path.suffix!r} video; use one of {', '.join(FOURCC)}")
     # VideoWriter picks the container from the name, so the temporary file keeps the suffix.
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp{path.suffix}")
+    temporary = temporary_path(path, keep_suffix=True)
     writer = None
     count = 0
     try:

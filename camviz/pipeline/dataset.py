@@ -3,18 +3,11 @@
 :func:`explain_dataset` is a generator: it holds one batch (and a few waiting images) at a
 time, so a notebook can walk through 100 000 images and keep only what it wants.
 
-**Images of different sizes.** A model's preprocessing keeps the aspect ratio (the shorter
-side becomes 224), so a 4:3 photo and a 3:2 photo become tensors of different widths, which
-cannot be stacked. Decoded images are therefore collected in *buckets*, one per tensor
-shape, and a bucket is explained when it holds a full batch. A typical dataset has a few
-shapes, so nearly every batch is full. Padding to a common size was rejected: the model
-would see (and the CAM explain) the padding, and a result would depend on which images
-happened to share its batch. Squashing every image to a square was rejected as the default
-for the same reason the preprocessing keeps the aspect ratio (the model sees the photo as
-it is); a model whose ``Preprocess`` has ``resize="square"`` gets one bucket anyway. Each
-heatmap therefore covers exactly its whole photo, and stretching it to the photo's size
-(as :func:`camviz.render.overlay` does) lays it on the photo exactly. When many shapes
-wait at once, the fullest bucket is explained early, so memory stays bounded.
+**Images of different sizes.** Preprocessing keeps each photo's aspect ratio, so photos
+become tensors of different shapes. Decoded images wait in *buckets*, one per tensor shape,
+and a bucket is explained when it holds a full batch; when many shapes wait at once, the
+fullest bucket goes early, so memory stays bounded. Each heatmap covers exactly its photo
+(why not padding or squashing: ``docs/architecture.md``).
 
 **Unreadable inputs** (a corrupt file, a text file named ``.jpg``, a missing frame) do not
 stop the run: they come out as results with ``status == "error"`` and the reason.
@@ -36,11 +29,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from camviz.cams.engine import explain
 from camviz.core.errors import CamvizError, first_line
+from camviz.core.layers import Layer
+from camviz.core.targets import Target, as_logits, class_name
 from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
-from camviz.pipeline.inputs import Item, expand
 from camviz.io.models import LoadedModel
-from camviz.core.targets import Target, as_logits
 from camviz.io.video import FrameReader
+from camviz.pipeline.inputs import Item, expand
 
 #: How many predictions each result keeps, best first.
 TOP_PREDICTIONS = 5
@@ -196,7 +190,7 @@ def explain_dataset(
     *,
     preprocess: Callable[[Image.Image], torch.Tensor] | None = None,
     method: str = "gradcam",
-    layer: str | Sequence[str] | None = None,
+    layer: Layer | Sequence[Layer] | None = None,
     target: Target = None,
     batch_size: int = 16,
     workers: int = 0,
@@ -362,7 +356,7 @@ class _BatchExplainer:
         network: nn.Module,
         categories: Sequence[str] | None,
         method: str,
-        layer: str | Sequence[str] | None,
+        layer: Layer | Sequence[Layer] | None,
         target: Target,
         options: dict[str, Any],
     ) -> None:
@@ -461,15 +455,6 @@ class _BatchExplainer:
 
     def _name(self, class_id: int) -> str:
         return class_name(self.categories, class_id)
-
-
-def class_name(categories: Sequence[str] | None, class_id: int) -> str:
-    """The name of class ``class_id``: from ``categories``, or ``"class 7"``."""
-    if class_id < 0:
-        return "custom target"
-    if categories is not None and class_id < len(categories):
-        return categories[class_id]
-    return f"class {class_id}"
 
 
 def _failed(sample: _Sample, reason: str, items: list[Item] | None) -> ImageResult:

@@ -53,16 +53,18 @@ import numpy as np
 import torch
 from PIL import Image
 
-from camviz.pipeline import distributed, manifest
 from camviz.cams import get as get_method
-from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
 from camviz.core.errors import CamvizError
-from camviz.io.images import PathLike
-from camviz.pipeline.inputs import Item, expand
-from camviz.io.models import LoadedModel
-from camviz.io.render import atomic_write, overlay, panel, save
+from camviz.core.layers import Layer
 from camviz.core.targets import Target
+from camviz.io.atomic import atomic_write
+from camviz.io.images import PathLike
+from camviz.io.models import LoadedModel
+from camviz.io.render import overlay, panel, save
 from camviz.io.video import frame_rate, write_video
+from camviz.pipeline import distributed, manifest
+from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
+from camviz.pipeline.inputs import Item, expand
 
 #: The run's summary: settings, and every row once the run is complete.
 MANIFEST = "manifest.json"
@@ -114,7 +116,7 @@ def explain_files(
     loaded: LoadedModel,
     *,
     method: str = "gradcam",
-    layer: str | Sequence[str] | None = None,
+    layer: Layer | Sequence[Layer] | None = None,
     target: Target = None,
     render: RenderOptions = RenderOptions(),
     outputs: Outputs = Outputs(),
@@ -366,7 +368,7 @@ def _row(item: Item, result: ImageResult, explained: list[dict[str, Any]]) -> di
 def _settings(
     loaded: LoadedModel,
     method: str,
-    layer: str | Sequence[str] | None,
+    layer: Layer | Sequence[Layer] | None,
     target: Target,
     render: RenderOptions,
     outputs: Outputs,

@@ -16,24 +16,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from camviz.io.atomic import atomic_write, is_temporary
 from camviz.pipeline.inputs import item_key
-from camviz.io.render import atomic_write
 
 #: The merged row log, one JSON object per line.
 ROWS = "manifest.jsonl"
 
 _PART = "manifest.rank{rank}.jsonl"
 _PARTS = "manifest.rank*.jsonl"
-
-# Temporary files of camviz.render.atomic_write (".NAME.<12 hex>.tmp") and of video writes
-# (the same with the video's suffix after it).
-_TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp(\.\w+)?$")
 
 Row = dict[str, Any]
 
@@ -144,7 +139,7 @@ def remove_temporaries(out: Path) -> list[Path]:
     removed = []
     for folder, _, names in os.walk(out):
         for name in names:
-            if _TEMPORARY.match(name):
+            if is_temporary(name):
                 path = Path(folder) / name
                 path.unlink(missing_ok=True)
                 removed.append(path)
