@@ -40,8 +40,8 @@ from camviz.core.maps import normalize as normalize_maps
 from camviz.core.maps import normalize_signed, upsample
 from camviz.core.modelstate import eval_mode
 from camviz.core.similarity import Similarity
-from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 from camviz.core.taps import At, edit_spots, parse, spot_keys
+from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 
 Fuse = Literal["mean", "max"]
 
@@ -301,7 +301,9 @@ def explain(
     batch = as_inputs(inputs, model, map_input)
     with eval_mode(model):
         default = layer is None
-        layers = [default_target_layer(model, batch)] if default else spot_keys(model, layer, at)
+        layers = (
+            [default_target_layer(model, batch)] if layer is None else spot_keys(model, layer, at)
+        )
         given = _given_kinds(layers, layout)
         if isinstance(target, Similarity):
             target = target.embedded(model, batch)
@@ -323,12 +325,22 @@ def explain(
         full_size = {name: upsample(maps, size) for name, maps in maps_by_layer.items()}
         if scales:
             # Augmented passes explain the classes chosen here, even if augmentation flips them.
-            fixed = recorded.class_ids
+            fixed: Target = recorded.class_ids
             if fixed is None or isinstance(target, Contrast):
                 fixed = target
             maps_by_layer, full_size = _aug_smoothed(
-                cam, model, batch, layers, fixed, output_key, scales, kinds, maps_by_layer,
-                full_size, relu, normalize,
+                cam,
+                model,
+                batch,
+                layers,
+                fixed,
+                output_key,
+                scales,
+                kinds,
+                maps_by_layer,
+                full_size,
+                relu,
+                normalize,
             )
     heatmaps = _fused(list(full_size.values()), fuse, relu, normalize)
     batch_size, ranks = recorded.scores.shape
@@ -420,9 +432,7 @@ def _layer_maps(
     batch: Inputs,
     recorded: LayerPass,
     kinds: Mapping[str, Kind | None],
-) -> tuple[
-    dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict[Key, torch.Tensor] | None
-]:
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict[Key, torch.Tensor] | None]:
     """Each layer's raw ``(N * K, *grid)`` maps, sample-major; the channel weights of
     weight-based methods (``(N * K, C)`` per layer); the per-input maps of input-gradient
     methods."""

@@ -16,7 +16,7 @@ def plusplus_weights(
     second: torch.Tensor,
     third: torch.Tensor,
 ) -> torch.Tensor:
-    """The Grad-CAM++ channel weights from the first three derivatives of the score with respect to ``A``.
+    """The Grad-CAM++ channel weights from the first three derivatives of the score by ``A``.
 
     Args:
         activations: ``A``, ``(N, C, *grid)``.

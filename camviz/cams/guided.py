@@ -125,7 +125,9 @@ class InputGradientMethod(CamMethod):
         return {key: saliency(gradient) for key, gradient in gradients.items()}
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
-        return saliency(input_gradients(data.model, data.batch or data.inputs, data.score, guided=self.guided))
+        return saliency(
+            input_gradients(data.model, data.batch or data.inputs, data.score, guided=self.guided)
+        )
 
 
 class _GuidedRectifier(torch.autograd.Function):

@@ -213,7 +213,9 @@ def _token_grid(
         return side, side
     if patch is not None:
         strides = (patch,) * len(size) if isinstance(patch, int) else tuple(patch)
-        if len(strides) == len(size) and _holds(tokens, best := _largest_grid(tokens, size, [strides])):
+        if len(strides) == len(size) and _holds(
+            tokens, best := _largest_grid(tokens, size, [strides])
+        ):
             return best
     uniform = [(stride,) * len(size) for stride in range(1, max(size) + 1)]
     return _largest_grid(tokens, size, uniform)
@@ -226,7 +228,9 @@ def _largest_grid(
     for stride in strides:
         # Patch embeddings drop a partial last patch (floor) or pad it (ceil).
         candidates.append(tuple(extent // step for extent, step in zip(size, stride, strict=True)))
-        candidates.append(tuple(-(-extent // step) for extent, step in zip(size, stride, strict=True)))
+        candidates.append(
+            tuple(-(-extent // step) for extent, step in zip(size, stride, strict=True))
+        )
     fitting = [grid for grid in candidates if 0 < math.prod(grid) <= tokens]
     return max(fitting, key=math.prod, default=(0,) * len(size))
 

@@ -108,7 +108,9 @@ def as_inputs(inputs: Any, model: nn.Module, map_input: Key | None = None) -> In
     """
     if isinstance(inputs, torch.Tensor):
         if map_input not in (None, 0):
-            raise CamvizError(f"map_input={map_input!r} names a second input, but one tensor was given")
+            raise CamvizError(
+                f"map_input={map_input!r} names a second input, but one tensor was given"
+            )
         if inputs.dim() == 3 and spatial_rank_of_model(model) == 2:
             inputs = inputs.unsqueeze(0)  # one (C, H, W) image for an image model
         args: tuple[Any, ...] = (inputs,)
@@ -131,15 +133,20 @@ def as_inputs(inputs: Any, model: nn.Module, map_input: Key | None = None) -> In
         0,
     )
     main = moved.main
-    if not isinstance(main, torch.Tensor) or not main.is_floating_point() or not 3 <= main.dim() <= 5:
+    if (
+        not isinstance(main, torch.Tensor)
+        or not main.is_floating_point()
+        or not 3 <= main.dim() <= 5
+    ):
         described = (
             f"{main.dtype} of shape {tuple(main.shape)}"
             if isinstance(main, torch.Tensor)
             else type(main).__name__
         )
+        which = "inputs" if len(args) + len(kwargs) == 1 else f"the map input {key!r}"
         raise CamvizError(
-            f"the map input must be a float (N, C, L), (N, C, H, W) or (N, C, D, H, W) batch "
-            f"(or one (C, H, W) image for an image model), got {described}"
+            f"{which} must be a float (N, C, L), (N, C, H, W) or (N, C, D, H, W) batch "
+            f"or one (C, H, W) image, got {described}"
         )
     sizes = {key: value.shape[0] for key, value in moved.items() if _is_batched(value)}
     if len(set(sizes.values())) > 1:
@@ -158,7 +165,11 @@ def _map_key(args: Sequence[Any], kwargs: Mapping[str, Any], map_input: Key | No
         return map_input
     if map_input is None:
         return 0
-    if isinstance(map_input, bool) or not isinstance(map_input, int) or not 0 <= map_input < len(args):
+    if (
+        isinstance(map_input, bool)
+        or not isinstance(map_input, int)
+        or not 0 <= map_input < len(args)
+    ):
         raise CamvizError(
             f"map_input={map_input!r} is out of range: there are {len(args)} inputs "
             f"(0..{len(args) - 1})"

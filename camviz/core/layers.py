@@ -9,8 +9,8 @@ the closest real names.
 from __future__ import annotations
 
 import difflib
-import math
 import fnmatch
+import math
 import weakref
 from collections.abc import Iterable, Sequence
 from functools import partial
@@ -150,7 +150,9 @@ def default_target_layer(model: nn.Module, inputs: torch.Tensor | Inputs) -> str
     candidates = [index for index, kind in enumerate(kinds) if kind is not None]
     if candidates and kinds[candidates[-1]] == "tokens":
         tokens = [index for index in candidates if kinds[index] == "tokens"]
-        before = [max(i for i in tokens if i < start) for start in attention_inputs if tokens[0] < start]
+        before = [
+            max(i for i in tokens if i < start) for start in attention_inputs if tokens[0] < start
+        ]
         found = log.calls[before[-1] if before else tokens[-1]].name
     elif candidates:
         found = log.calls[candidates[-1]].name
@@ -179,8 +181,10 @@ def _output_kind(log: CallLog, index: int, rank: int) -> str | None:
 
 
 def _is_attention(module: nn.Module) -> bool:
-    """torch's ``MultiheadAttention`` (torchvision ViT), or a ``*Attention`` class (timm, HF)."""
-    return isinstance(module, nn.MultiheadAttention) or type(module).__name__.endswith("Attention")
+    """torch's ``MultiheadAttention`` (torchvision ViT), or an attention class of timm or HF
+    (``*Attention``, or ``*Attn*`` such as CoaT's ``FactorAttnConvRelPosEnc``)."""
+    name = type(module).__name__
+    return isinstance(module, nn.MultiheadAttention) or name.endswith("Attention") or "Attn" in name
 
 
 def layer_shapes(model: nn.Module, inputs: torch.Tensor) -> list[tuple[str, str, tuple[int, ...]]]:

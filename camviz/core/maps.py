@@ -39,5 +39,7 @@ def upsample(maps: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
         return maps
     if maps.dim() - 1 != len(size) or len(size) not in _MODES:
         raise ValueError(f"cannot resize maps of shape {tuple(maps.shape)} to {size}")
-    resized = F.interpolate(maps.unsqueeze(1), size=size, mode=_MODES[len(size)], align_corners=False)
+    resized = F.interpolate(
+        maps.unsqueeze(1), size=size, mode=_MODES[len(size)], align_corners=False
+    )
     return resized[:, 0]

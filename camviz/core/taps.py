@@ -75,7 +75,7 @@ def spot_keys(model: nn.Module, layer: Layer | Iterable[Layer], at: At) -> list[
     if at not in ("output", "input"):
         raise CamvizError(f"at must be 'output' or 'input', not {at!r}")
     if isinstance(layer, (str, nn.Module)) or not isinstance(layer, Iterable):
-        layer = [layer]  # type: ignore[list-item]  # resolve_layers names a wrong type
+        layer = [layer]  # resolve_layers names a wrong type
     keys: list[str] = []
     for item in layer:
         spot = parse(item, at) if isinstance(item, str) else Spot("", at, ())
@@ -110,9 +110,9 @@ def replace(value: Any, path: Path, new: Any) -> Any:
     if isinstance(value, Mapping):
         copied = dict(value)
         copied[head] = inner
-        return type(value)(copied) if type(value) is not dict else copied
+        return copied if type(value) is dict else type(value)(copied)  # type: ignore[call-arg]
     items = list(value)
-    items[head] = inner
+    items[int(head)] = inner
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*items)  # a namedtuple
     return type(value)(items)
@@ -139,7 +139,9 @@ def edit_spots(model: nn.Module, edits: Mapping[str, SpotFn]) -> Iterator[nn.Mod
             )
         return found
 
-    def on_output(key: str, spot: Spot, fn: SpotFn, module: nn.Module, args: Any, output: Any) -> Any:
+    def on_output(
+        key: str, spot: Spot, fn: SpotFn, module: nn.Module, args: Any, output: Any
+    ) -> Any:
         return replace(output, spot.path, fn(tensor_at(key, output, spot.path)))
 
     def on_input(key: str, spot: Spot, fn: SpotFn, module: nn.Module, args: tuple[Any, ...]) -> Any:
