@@ -35,6 +35,7 @@ _EXPORTS = {
     "LayerTable": "camviz.debug.layerstats:LayerTable",
     "Preprocess": "camviz.io.images:Preprocess",
     "Region": "camviz.core.targets:Region",
+    "Similarity": "camviz.core.similarity:Similarity",
     "TopK": "camviz.core.targets:TopK",
     "capture": "camviz.core.hooks:capture",
     "channel_grid": "camviz.io.render:channel_grid",
@@ -98,6 +99,7 @@ if TYPE_CHECKING:
     from camviz.core.errors import CamvizError as CamvizError
     from camviz.core.hooks import capture as capture
     from camviz.core.hooks import edit as edit
+    from camviz.core.similarity import Similarity as Similarity
     from camviz.core.targets import Contrast as Contrast
     from camviz.core.targets import Region as Region
     from camviz.core.targets import TopK as TopK

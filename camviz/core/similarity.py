@@ -4,6 +4,7 @@ re-identification): the cosine similarity of the model's output embedding with a
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -26,6 +27,8 @@ class Similarity:
             through the model first; one reference input serves every sample.
         output_key: Where the embedding is in a tuple or dict output (see
             :func:`camviz.core.targets.as_logits`).
+        name: What the reference is, for its ``repr`` (manifests record it); by default a
+            digest of its values.
 
     Called as ``similarity(output, rows)`` (``rows[r]``: the sample output row ``r`` was
     made from, for perturbation methods), it gives the ``(R,)`` similarities.
@@ -34,9 +37,18 @@ class Similarity:
         >>> camviz.explain(model, query, target=camviz.Similarity(reference_image))
     """
 
-    def __init__(self, reference: Any, output_key: str | int | None = None) -> None:
+    def __init__(
+        self, reference: Any, output_key: str | int | None = None, name: str | None = None
+    ) -> None:
         self.reference = reference
         self.output_key = output_key
+        self.name = name
+
+    def __repr__(self) -> str:
+        if self.name is None and isinstance(self.reference, torch.Tensor):
+            values = self.reference.detach().cpu().contiguous().numpy().tobytes()
+            self.name = hashlib.sha1(values).hexdigest()[:12]
+        return f"Similarity({self.name or type(self.reference).__name__})"
 
     def is_embedding(self) -> bool:
         """Whether the reference is embeddings (a 1-D or 2-D tensor) rather than inputs."""
@@ -69,7 +81,7 @@ class Similarity:
                 f"({sample.shape[-1]},), (1, {sample.shape[-1]}) or ({batch.size}, "
                 f"{sample.shape[-1]}) embeddings, or 1 or {batch.size} reference inputs"
             )
-        return Similarity(reference, self.output_key)
+        return Similarity(reference, self.output_key, self.name)
 
     def embedding(self, output: Any) -> torch.Tensor:
         """The ``(R, D)`` embeddings in a model output."""
