@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -78,3 +80,20 @@ def test_evaluation_notebook():
     )
     assert "gradcam: passes" in text and "edges: flagged: model-independent" in text
     assert "random map: pointing game" in text and "report.html" in text
+
+
+def test_any_model_notebook():
+    notebook = run_notebook("05_any_model.ipynb")
+    assert displayed_images(notebook) >= 5
+    text = "".join(
+        output.get("text", "") for cell in notebook.cells for output in cell.get("outputs", [])
+    )
+    pulse, peak = (
+        int(value) for value in re.findall(r"pulse at (\d+) - map peaks at (\d+)", text)[0]
+    )
+    assert abs(pulse - peak) <= 3
+    cube, peak = re.findall(r"cube centre (\[.*?\]) - map peak (\[.*?\])", text)[0]
+    cube, peak = json.loads(cube), json.loads(peak)
+    assert max(abs(a - b) for a, b in zip(cube, peak, strict=True)) <= 2
+    assert float(re.findall(r"Grad-CAM and Ablation-CAM agree: ([\d.]+)", text)[0]) >= 0.9
+    assert "cosine similarity" in text
