@@ -5,7 +5,8 @@ Run by hand (never in the tests)::
     python benchmarks/bench_3d.py          # r3d_18 (random weights), 2 clips of 8 frames, 112 px
     python benchmarks/bench_3d.py --quick  # 1 clip of 4 frames at 56 px: a smoke run
 
-Times are medians of ``--repeat`` runs after one warm-up, in one process, on the same batch.
+Times are medians of ``--repeat`` rounds after one warm-up, in one process, on the same batch;
+each round runs every variant once, so that a busy machine slows them alike.
 ``inference`` is one forward pass under ``torch.inference_mode``; ``camviz`` is
 ``camviz.explain(model, clips, layer="layer4")`` (one forward pass, gradients from layer4
 on only); ``pytorch-grad-cam`` is its ``GradCAM`` on the same layer (a full backward pass).
@@ -65,18 +66,18 @@ def main() -> None:
     model = r3d_18(weights=None).eval().to(args.device)
     clips = torch.randn(batch, 3, frames, size, size, device=args.device)
     synchronise = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    seconds = {}
-    for variant in VARIANTS:
-        run = runner(variant, model, clips)
+    runs = {variant: runner(variant, model, clips) for variant in VARIANTS}
+    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    for run in runs.values():
         run()
-        times = []
-        for _ in range(args.repeat):
+    for _ in range(args.repeat):
+        for variant, run in runs.items():
             synchronise()
             start = time.perf_counter()
             run()
             synchronise()
-            times.append(time.perf_counter() - start)
-        seconds[variant] = statistics.median(times)
+            times[variant].append(time.perf_counter() - start)
+    seconds = {variant: statistics.median(values) for variant, values in times.items()}
     print(f"r3d_18, {batch} clip(s) of {frames} frames at {size} px, {args.device}")
     print("| variant | median time | vs inference |")
     print("| --- | --- | --- |")
