@@ -77,7 +77,7 @@ def main() -> None:
 
 
 def row(name: str, heatmaps: torch.Tensor, boxes: torch.Tensor, tolerance: float, ms: str) -> str:
-    hits = pointing_game(heatmaps, boxes).float().mean()
+    hits = pointing_game(heatmaps, boxes, tolerance=0).float().mean()
     near = pointing_game(heatmaps, boxes, tolerance=tolerance).float().mean()
     energy = energy_pointing_game(heatmaps, boxes).mean()
     return f"| {name} | {hits:.3f} | {near:.3f} | {energy:.3f} | {ms} |"

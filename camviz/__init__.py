@@ -28,13 +28,16 @@ __version__ = "0.2.0"
 # test that keeps them equal) the TYPE_CHECKING imports below.
 _EXPORTS = {
     "CamvizError": "camviz.core.errors:CamvizError",
+    "Concepts": "camviz.cams.factorization:Concepts",
     "Contrast": "camviz.core.targets:Contrast",
     "Explanation": "camviz.cams.engine:Explanation",
     "GradientMonitor": "camviz.debug.monitor:GradientMonitor",
     "ImageResult": "camviz.pipeline.dataset:ImageResult",
     "LayerTable": "camviz.debug.layerstats:LayerTable",
+    "Nearest": "camviz.core.targets:Nearest",
     "Preprocess": "camviz.io.images:Preprocess",
     "Region": "camviz.core.targets:Region",
+    "RowTarget": "camviz.core.targets:RowTarget",
     "Similarity": "camviz.core.similarity:Similarity",
     "TopK": "camviz.core.targets:TopK",
     "capture": "camviz.core.hooks:capture",
@@ -44,6 +47,7 @@ _EXPORTS = {
     "explain": "camviz.cams.engine:explain",
     "explain_dataset": "camviz.pipeline.dataset:explain_dataset",
     "explain_files": "camviz.pipeline.job:explain_files",
+    "factorize": "camviz.cams.factorization:factorize",
     "features": "camviz.debug.extraction:features",
     "find_first_nonfinite": "camviz.debug.layerstats:find_first_nonfinite",
     "inspect": "camviz.debug.layerstats:inspect",
@@ -96,12 +100,16 @@ if TYPE_CHECKING:
     from camviz import cams as cams
     from camviz.cams.engine import Explanation as Explanation
     from camviz.cams.engine import explain as explain
+    from camviz.cams.factorization import Concepts as Concepts
+    from camviz.cams.factorization import factorize as factorize
     from camviz.core.errors import CamvizError as CamvizError
     from camviz.core.hooks import capture as capture
     from camviz.core.hooks import edit as edit
     from camviz.core.similarity import Similarity as Similarity
     from camviz.core.targets import Contrast as Contrast
+    from camviz.core.targets import Nearest as Nearest
     from camviz.core.targets import Region as Region
+    from camviz.core.targets import RowTarget as RowTarget
     from camviz.core.targets import TopK as TopK
     from camviz.debug import edits as edits
     from camviz.debug.extraction import features as features
@@ -120,7 +128,7 @@ if TYPE_CHECKING:
     from camviz.io import render as render
     from camviz.io.images import Preprocess as Preprocess
     from camviz.io.images import load_image as load_image
-    from camviz.io.models import load as load_model  # noqa: F401 - re-exported by _EXPORTS
+    from camviz.io.models import load as load_model
     from camviz.io.render import channel_grid as channel_grid
     from camviz.io.render import overlay as overlay
     from camviz.io.render import panel as panel
@@ -129,6 +137,10 @@ if TYPE_CHECKING:
     from camviz.pipeline.dataset import ImageResult as ImageResult
     from camviz.pipeline.dataset import explain_dataset as explain_dataset
     from camviz.pipeline.job import explain_files as explain_files
+
+    # Type checkers do not evaluate the __all__ above; `X as X` re-exports a name, and an
+    # export imported under another name is re-exported by listing it here.
+    __all__ += ["load_model"]
 
 
 class _AliasLoader(importlib.abc.Loader):

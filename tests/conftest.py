@@ -164,6 +164,19 @@ def make_photos(cat_path, coffee_path):
 
 
 @pytest.fixture(scope="session")
+def manifest_rows():
+    """``manifest_rows(out)``: the rows of a job's ``manifest.jsonl``, in order."""
+    import json
+
+    def read(out: Path) -> list[dict]:
+        return [
+            json.loads(line) for line in (Path(out) / "manifest.jsonl").read_text().splitlines()
+        ]
+
+    return read
+
+
+@pytest.fixture(scope="session")
 def assert_rows_match():
     """``assert_rows_match(rows, expected)``: the same manifest rows, apart from the timing
     (``seconds``) and float noise in the last bits (from batches of other sizes)."""

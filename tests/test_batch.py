@@ -22,10 +22,12 @@ import camviz
 from camviz.cli import main
 from camviz.core.errors import CamvizError
 from camviz.io.images import load_image
+from camviz.io.models import LoadedModel
 from camviz.pipeline.dataset import _Buckets, _Sample, explain_dataset
 from camviz.pipeline.distributed import Context, shard
 from camviz.pipeline.inputs import expand
-from camviz.pipeline.job import save_heatmap
+from camviz.pipeline.job import Outputs, save_heatmap
+from camviz.pipeline.manifest import written_files
 from camviz.pipeline.writer import Writer
 
 MODEL = "mobilenet_v3_small"
@@ -42,12 +44,14 @@ def test_expand_folders_globs_lists_and_missing_inputs(tmp_path, make_photos):
     make_photos(tmp_path / "data", {"cat/1.png": (8, 8), "dog/1.png": (8, 8), "dog/2.jpg": (8, 8)})
     (tmp_path / "data" / "README.txt").write_text("not an input")
     (tmp_path / "data" / ".hidden.png").write_bytes(b"")
-    (tmp_path / "data" / "out").mkdir()
-    (tmp_path / "data" / "out" / "old_overlay.png").write_bytes(b"")
+    out = tmp_path / "data" / "out"
+    out.mkdir()
+    (out / "old_overlay.png").write_bytes(b"")  # an output its manifest lists
+    (out / "manifest.jsonl").write_text('{"input": "x.png", "files": ["old_overlay.png"]}\n')
     listing = tmp_path / "list.txt"
     listing.write_text("# chosen files\n\ndata/dog/2.jpg\ndata/cat/1.png\n")
 
-    folder = expand([tmp_path / "data"], exclude=tmp_path / "data" / "out")
+    folder = expand([tmp_path / "data"], exclude=written_files(out))
     assert [item.name for item in folder] == ["cat/1", "dog/1", "dog/2"]
 
     mixed = expand(
@@ -201,13 +205,15 @@ def mixed_folder(tmp_path, make_photos):
     return folder
 
 
-def test_folder_with_bad_files_gives_a_row_for_each(mixed_folder, tmp_path, tiny_mobilenet):
+def test_folder_with_bad_files_gives_a_row_for_each(
+    mixed_folder, tmp_path, tiny_mobilenet, manifest_rows
+):
     out = tmp_path / "out"
     args = [str(mixed_folder), *model_args(tiny_mobilenet), "--out", str(out)]
     options = ["--batch-size", "2", "--workers", "1", "--heatmap", "npz", "--no-panel"]
     assert main(["explain", *args, *options, "--quiet"]) == 0
     summary = json.loads((out / "manifest.json").read_text())
-    rows = summary["images"]
+    rows = manifest_rows(out)
     assert [Path(row["input"]).relative_to(mixed_folder).as_posix() for row in rows] == [
         "a.png",
         "b.jpg",
@@ -224,8 +230,9 @@ def test_folder_with_bad_files_gives_a_row_for_each(mixed_folder, tmp_path, tiny
     )
     assert statuses["empty.png"][0] == "error" and "empty (0 bytes)" in statuses["empty.png"][1]
     assert statuses["notes.jpg"][0] == "error" and "not an image" in statuses["notes.jpg"][1]
-    assert summary["complete"] and summary["counts"] == {"ok": 4, "error": 3}
-    assert [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()] == rows
+    assert summary["complete"] and summary["counts"] == {"ok": 4, "error": 3, "already_done": 0}
+    assert summary["failures"] == [row for row in rows if row["status"] == "error"]
+    assert "images" not in summary  # the rows stay in manifest.jsonl only
 
     loaded = camviz.io.models.load(MODEL, weights=tiny_mobilenet)
     for row in rows:
@@ -265,6 +272,25 @@ def test_resume_refuses_a_folder_made_with_other_settings(tmp_path, make_photos,
     assert (out / "a_overlay.png").stat().st_mtime_ns == before
 
 
+def test_a_submodule_layer_is_recorded_by_name_and_resumes_as_that_name(tmp_path, make_photos):
+    (photo,) = make_photos(tmp_path, {"a.png": (16, 16)})
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(3)
+    )
+    model(torch.zeros(1, 3, 16, 16))  # sizes the lazy layer
+    loaded = LoadedModel(model, camviz.Preprocess(size=16), ["a", "b", "c"], "tiny")
+    out = tmp_path / "out"
+    outputs = Outputs(panel=False)
+
+    camviz.explain_files([photo], out, loaded, layer=model[0], outputs=outputs)
+    settings = json.loads((out / "manifest.json").read_text())["settings"]
+    assert settings["layer"] == "0"
+    before = (out / "a_overlay.png").stat().st_mtime_ns
+    camviz.explain_files([photo], out, loaded, layer="0", outputs=outputs)  # the same settings
+    assert (out / "a_overlay.png").stat().st_mtime_ns == before
+
+
 KILLED_RUN = """
 import os, signal, sys
 import camviz.pipeline.job
@@ -291,7 +317,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_a_killed_run_resumes_to_the_clean_result(
-    tmp_path, make_photos, tiny_mobilenet, assert_rows_match
+    tmp_path, make_photos, tiny_mobilenet, assert_rows_match, manifest_rows
 ):
     sizes = {f"{n}.png": (40, 30) if n % 2 else (32, 32) for n in range(6)}
     folder = tmp_path / "photos"
@@ -321,7 +347,7 @@ def test_a_killed_run_resumes_to_the_clean_result(
     lines = (resumed / "manifest.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     assert len({row["input"] for row in rows}) == len(rows) == len(sizes)
-    assert_rows_match(rows, json.loads((clean / "manifest.json").read_text())["images"])
+    assert_rows_match(rows, manifest_rows(clean))
     assert sorted(os.listdir(resumed)) == sorted(os.listdir(clean))
     for name, modified in finished_before.items():  # done before the kill: not redone
         assert (resumed / name).stat().st_mtime_ns == modified

@@ -24,17 +24,17 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def explained(tmp_path_factory, cat_path, coffee_path):
+def explained(tmp_path_factory, cat_path, coffee_path, manifest_rows):
     out = tmp_path_factory.mktemp("explain") / "results"
     result = run_cli("explain", str(cat_path), str(coffee_path), "--out", str(out))
     assert result.returncode == 0, result.stderr
-    return out, json.loads((out / "manifest.json").read_text())
+    return out, json.loads((out / "manifest.json").read_text()), manifest_rows(out)
 
 
 def test_explain_writes_overlays_panels_and_manifest(explained, cat_path, coffee_path):
-    out, manifest = explained
+    out, manifest, rows = explained
     assert manifest["model"] == "efficientnet_lite0" and manifest["method"] == "gradcam"
-    cat, coffee = manifest["images"]
+    cat, coffee = rows
     assert cat["top5"][0]["id"] in CAT_CLASSES
     assert coffee["top5"][0]["id"] == ESPRESSO
     for entry, photo in ((cat, cat_path), (coffee, coffee_path)):
@@ -50,13 +50,10 @@ def test_explain_writes_overlays_panels_and_manifest(explained, cat_path, coffee
     )
 
 
-def test_top_k_writes_one_overlay_per_rank(tmp_path, cat_path):
+def test_top_k_writes_one_overlay_per_rank(tmp_path, cat_path, manifest_rows):
     assert main(["explain", str(cat_path), "--target", "top2", "--out", str(tmp_path)]) == 0
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
-    explained = manifest["images"][0]["explained"]
-    assert [row["id"] for row in explained] == [
-        row["id"] for row in manifest["images"][0]["top5"][:2]
-    ]
+    (row,) = manifest_rows(tmp_path)
+    assert [entry["id"] for entry in row["explained"]] == [entry["id"] for entry in row["top5"][:2]]
     assert (tmp_path / "chelsea_rank2_overlay.png").is_file()
 
 
@@ -109,7 +106,7 @@ def test_bad_input_gives_one_line_and_no_files(tmp_path, cat_path, capsys, make_
 
 
 def test_unreadable_image_among_good_ones_is_skipped_and_listed(
-    tmp_path, cat_path, tiny_checkpoint, capsys
+    tmp_path, cat_path, tiny_checkpoint, capsys, manifest_rows
 ):
     out = tmp_path / "out"
     notes = bad_image(tmp_path)
@@ -117,7 +114,7 @@ def test_unreadable_image_among_good_ones_is_skipped_and_listed(
     assert main(["explain", *args, "--no-panel", "--out", str(out)]) == 0
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and error.startswith(f"camviz: skipped {notes}: ")
-    cat, notes_row = json.loads((out / "manifest.json").read_text())["images"]
+    cat, notes_row = manifest_rows(out)
     assert cat["status"] == "ok" and cat["files"] == ["chelsea_overlay.png"]
     assert notes_row["status"] == "error" and "not an image" in notes_row["reason"]
     assert notes_row["files"] == [] and not list(out.glob("notes*"))

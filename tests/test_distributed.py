@@ -7,7 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from camviz.cli import main
+
+pytestmark = pytest.mark.distributed
 
 # What `torchrun -m camviz` runs (runpy is how `python -m` runs a module), with each
 # process's shard recorded, to show that the processes split the work.
@@ -29,7 +33,7 @@ runpy.run_module("camviz", run_name="__main__", alter_sys=True)
 
 
 def test_two_processes_write_the_manifest_of_one(
-    tmp_path, make_photos, tiny_mobilenet, assert_rows_match
+    tmp_path, make_photos, tiny_mobilenet, assert_rows_match, manifest_rows
 ):
     folder = tmp_path / "photos"
     make_photos(folder, {f"{n}.png": (40, 30) if n % 2 else (32, 32) for n in range(5)})
@@ -61,13 +65,14 @@ def test_two_processes_write_the_manifest_of_one(
 
     def by_input(out):
         return sorted(
-            json.loads((out / "manifest.json").read_text())["images"],
+            manifest_rows(out),
             key=lambda row: row["input"],
         )
 
     assert_rows_match(by_input(shared), by_input(alone))
     shared_summary = json.loads((shared / "manifest.json").read_text())
-    assert shared_summary["counts"] == {"ok": 5, "error": 1} and shared_summary["complete"]
+    assert shared_summary["counts"] == {"ok": 5, "error": 1, "already_done": 0}
+    assert shared_summary["complete"]
     assert sorted(os.listdir(shared)) == sorted(os.listdir(alone))  # no per-process parts left
     maps = [name for name in os.listdir(alone) if name.endswith("_heatmap.png")]
     assert len(maps) == 5

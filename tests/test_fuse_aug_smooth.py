@@ -66,7 +66,7 @@ class LeftOrRight(nn.Module):
 
 
 @pytest.mark.parametrize("method", ["gradcam", "ablationcam"])
-@pytest.mark.parametrize("fuse", ["mean", "max"])
+@pytest.mark.parametrize("fuse", ["mean", "max", "product"])
 def test_fused_layers_equal_the_per_layer_maps_combined_by_hand(method, fuse, untouched):
     model = SmallCNN()
     torch.manual_seed(0)
@@ -76,15 +76,16 @@ def test_fused_layers_equal_the_per_layer_maps_combined_by_hand(method, fuse, un
         fused = camviz.explain(model, inputs, method, layer=layers, target=[0, 2], fuse=fuse)
     singles = [camviz.explain(model, inputs, method, layer=name, target=[0, 2]) for name in layers]
     upsampled = torch.stack([resize(single.layer_maps, (16, 16)) for single in singles])
-    combined = upsampled.amax(0) if fuse == "max" else upsampled.mean(0)
+    combined = {"mean": upsampled.mean(0), "max": upsampled.amax(0), "product": upsampled.prod(0)}
+    combined = combined[fuse]
     torch.testing.assert_close(fused.heatmaps, min_max(combined))
     for name, single in zip(layers, singles, strict=True):
         torch.testing.assert_close(fused.maps_by_layer[name], single.layer_maps)
     torch.testing.assert_close(fused.layer_maps, singles[0].layer_maps)
 
 
-def test_fuse_must_be_mean_or_max():
-    with pytest.raises(CamvizError, match="fuse must be 'mean' or 'max'"):
+def test_fuse_must_be_mean_max_or_product():
+    with pytest.raises(CamvizError, match="fuse must be 'mean', 'max' or 'product'"):
         camviz.explain(SmallCNN(), torch.rand(1, 3, 8, 8), layer="features", fuse="sum")
 
 

@@ -76,6 +76,7 @@ def test_gradcam_matches_an_independent_implementation(resnet18, small_batch, la
     torch.testing.assert_close(result.layer_maps, expected)
 
 
+@pytest.mark.peers
 def test_gradcam_matches_pytorch_grad_cam(resnet18, small_batch):
     from pytorch_grad_cam import GradCAM
     from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget

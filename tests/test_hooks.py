@@ -128,3 +128,49 @@ def test_edit_replaces_the_output_and_comes_off(resnet18, small_batch):
     assert hook_count(resnet18) == 0
     with torch.no_grad():
         assert not torch.allclose(resnet18(small_batch), logits)
+
+
+class Split(nn.Module):
+    """A layer with two outputs: ``(2x, 3x)``."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x * 3
+
+
+class TwoOutputs(nn.Module):
+    """``sum(5a + 7b)`` of the split ``(a, b)``, or ``sum(5a)`` without ``use_second``."""
+
+    def __init__(self, use_second: bool = True) -> None:
+        super().__init__()
+        self.split = Split()
+        self.use_second = use_second
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = self.split(x)
+        total = first * 5
+        if self.use_second:
+            total = total + second * 7
+        return total.sum()
+
+
+@pytest.mark.parametrize("backward", ["tensor", "full"])
+def test_a_layer_with_two_outputs_gets_one_gradient_per_output_in_both_modes(backward):
+    x = torch.ones(2, requires_grad=True)
+    model = TwoOutputs()
+    with camviz.capture(model, "split", gradients=True, backward=backward) as cap:
+        model(x).backward()
+    first, second = cap.gradients["split"]
+    torch.testing.assert_close(first, torch.full((2,), 5.0))
+    torch.testing.assert_close(second, torch.full((2,), 7.0))
+
+
+@pytest.mark.parametrize("backward", ["tensor", "full"])
+def test_an_output_that_backward_does_not_reach_has_no_gradient(backward):
+    model = TwoOutputs(use_second=False)
+    with camviz.capture(model, "split", gradients=True, backward=backward, keep="all") as cap:
+        model(torch.ones(2, requires_grad=True)).backward()
+        model(torch.ones(2, requires_grad=True)).backward()
+    assert len(cap.gradients["split"]) == 2  # one list per backward pass
+    for first, second in cap.gradients["split"]:
+        torch.testing.assert_close(first, torch.full((2,), 5.0))
+        assert second is None

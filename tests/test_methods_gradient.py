@@ -14,6 +14,7 @@ And every method hands the model back exactly as it came.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -275,6 +276,52 @@ def test_guided_backprop_gradients_for_every_way_of_writing_a_relu(rectifier, ti
         assert (known["z"] > upper).any(), "some units must be clamped at the top"
 
 
+def silu_slope(z: torch.Tensor) -> torch.Tensor:
+    sigma = torch.sigmoid(z)
+    return sigma * (1 + z * (1 - sigma))
+
+
+def gelu_slope(z: torch.Tensor) -> torch.Tensor:
+    cdf = 0.5 * (1 + torch.erf(z / math.sqrt(2)))
+    return cdf + z * torch.exp(-(z**2) / 2) / math.sqrt(2 * math.pi)
+
+
+def hardswish_slope(z: torch.Tensor) -> torch.Tensor:
+    return torch.where(z < -3, 0.0, torch.where(z > 3, 1.0, (2 * z + 3) / 6))
+
+
+SMOOTH_ACTIVATIONS = {
+    "nn.SiLU": (nn.SiLU(), silu_slope),
+    "nn.SiLU inplace": (nn.SiLU(inplace=True), silu_slope),
+    "nn.GELU": (nn.GELU(), gelu_slope),
+    "nn.Hardswish": (nn.Hardswish(), hardswish_slope),
+}
+
+
+@pytest.mark.parametrize("activation", list(SMOOTH_ACTIVATIONS))
+def test_guided_backprop_through_smooth_activations_passes_positive_gradients_where_x_is_positive(
+    activation, tiny_inputs
+):
+    # dL/dz = ReLU(dL/dy) * f'(z) * 1[z > 0], against the derivatives written out by hand.
+    function, slope = SMOOTH_ACTIVATIONS[activation]
+    model = TinyNet(function)
+    known = closed_form(model, tiny_inputs, CLASSES)
+    z, heads = known["z"], known["V"]
+
+    def to_input(grad_z: torch.Tensor) -> torch.Tensor:
+        grad_conv = grad_z * known["scale"].view(1, -1, 1, 1)
+        return F.conv_transpose2d(grad_conv, model.conv.weight, stride=2, padding=1)
+
+    def score(logits):
+        return logits[torch.arange(2), torch.as_tensor(CLASSES)]
+
+    guided = input_gradients(model, tiny_inputs, score, guided=True)
+    plain = input_gradients(model, tiny_inputs, score)
+    torch.testing.assert_close(guided, to_input(torch.relu(heads) * slope(z) * (z > 0)))
+    torch.testing.assert_close(plain, to_input(heads * slope(z)))
+    assert (guided - plain).abs().max() > 1e-2
+
+
 def test_guided_relus_are_undone_when_the_forward_pass_fails():
     class Failing(nn.Module):
         def forward(self, x):
@@ -447,6 +494,7 @@ def renormalised(result) -> torch.Tensor:
     return minmax(result.heatmaps)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize("layer", ["layer4", "layer3"])
 @pytest.mark.parametrize(
     ("method", "peer"),
@@ -469,6 +517,7 @@ def test_matches_pytorch_grad_cam(resnet18, small_batch, method, peer, layer):
     torch.testing.assert_close(renormalised(ours), theirs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.peers
 def test_gradcam_pp_matches_pytorch_grad_cam_up_to_its_epsilon(resnet18, small_batch):
     from pytorch_grad_cam import GradCAMPlusPlus
 
@@ -483,6 +532,7 @@ def test_gradcam_pp_matches_pytorch_grad_cam_up_to_its_epsilon(resnet18, small_b
     torch.testing.assert_close(renormalised(ours), theirs, atol=1e-4, rtol=0)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize(
     ("method", "peer"), [("eigencam", "EigenCAM"), ("eigen_gradcam", "EigenGradCAM")]
 )
@@ -514,6 +564,7 @@ def test_eigen_methods_match_pytorch_grad_cam_up_to_its_random_sign(
         torch.testing.assert_close(sign * projection, theirs_raw[sample], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.peers
 def test_fullgrad_matches_pytorch_grad_cam(resnet18, small_batch):
     from pytorch_grad_cam import FullGrad
 
@@ -523,6 +574,7 @@ def test_fullgrad_matches_pytorch_grad_cam(resnet18, small_batch):
     torch.testing.assert_close(renormalised(ours), theirs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.peers
 def test_guided_backprop_matches_pytorch_grad_cam(resnet18, small_batch):
     from pytorch_grad_cam import GuidedBackpropReLUModel
 
@@ -541,6 +593,7 @@ def test_guided_backprop_matches_pytorch_grad_cam(resnet18, small_batch):
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize(("method", "peer"), [("xgradcam", "XGradCAM"), ("layercam", "LayerCAM")])
 @pytest.mark.parametrize("layer", ["layer4", "layer3"])
 def test_matches_torchcam(resnet18, small_batch, method, peer, layer):
@@ -554,6 +607,7 @@ def test_matches_torchcam(resnet18, small_batch, method, peer, layer):
     torch.testing.assert_close(ours.layer_maps, theirs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.peers
 def test_torchcam_gradcam_pp_leaves_alpha_at_g_squared(resnet18, small_batch):
     from torchcam.methods import GradCAMpp
 
@@ -574,6 +628,7 @@ def test_torchcam_gradcam_pp_leaves_alpha_at_g_squared(resnet18, small_batch):
     assert (ours.layer_maps - theirs).abs().max() > 0.1
 
 
+@pytest.mark.peers
 def test_smooth_gradcam_pp_matches_torchcam_as_the_noise_vanishes(resnet18, small_batch):
     from torchcam.methods import SmoothGradCAMpp
 
@@ -606,6 +661,7 @@ def test_correct_on_a_layer_whose_output_is_changed_in_place(resnet18, small_bat
     torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.peers
 def test_pytorch_grad_cam_reads_the_overwritten_bn2_output(resnet18, small_batch):
     from pytorch_grad_cam import LayerCAM
 

@@ -336,6 +336,7 @@ def peer_batch() -> torch.Tensor:
     return torch.randn(2, 3, 64, 64)
 
 
+@pytest.mark.peers
 def test_ablationcam_matches_pytorch_grad_cam(resnet18, peer_batch, untouched):
     """Tolerance 1e-4: float rounding only. ``layer1`` ends with a ReLU, so pytorch-grad-cam
     ablates with zero as the paper does; it normalises again after resizing, hence the
@@ -352,6 +353,7 @@ def test_ablationcam_matches_pytorch_grad_cam(resnet18, peer_batch, untouched):
     )
 
 
+@pytest.mark.peers
 def test_scorecam_matches_pytorch_grad_cam_and_torchcam(resnet18, peer_batch, untouched):
     """Tolerances from the documented differences in how masks are made (see ScoreCAM):
     5e-2 against pytorch-grad-cam (``align_corners=True``), 1e-2 against torchcam
@@ -372,6 +374,7 @@ def test_scorecam_matches_pytorch_grad_cam_and_torchcam(resnet18, peer_batch, un
     torch.testing.assert_close(result.layer_maps, torchcam_maps, rtol=0, atol=1e-2)
 
 
+@pytest.mark.peers
 def test_sscam_matches_torchcam(resnet18, peer_batch, untouched):
     """Tolerance 5e-2 (measured 9e-3): besides the mask order of Score-CAM, each library
     draws its own noise, so with 4 draws the averaged scores differ a little."""
@@ -394,3 +397,47 @@ def test_sscam_matches_torchcam(resnet18, peer_batch, untouched):
     ) as extractor:
         (torchcam_maps,) = extractor([3, 7], resnet18(peer_batch))
     torch.testing.assert_close(result.layer_maps, torchcam_maps, rtol=0, atol=5e-2)
+
+
+PER_SAMPLE = torch.tensor([0, 2, 1])
+# Chunk sizes that make a chunk of re-run rows as long as the batch of 3 (Ablation-CAM's
+# first chunk carries an extra unablated row).
+BATCH_OF_THREE = [("scorecam", 3), ("ablationcam", 2)]
+
+
+@pytest.mark.parametrize(("method", "batch_size"), BATCH_OF_THREE)
+def test_a_target_that_takes_rows_scores_each_row_for_its_own_input(
+    method, batch_size, tiny_inputs
+):
+    model = TinyNet()
+    by_class = camviz.explain(
+        model, tiny_inputs, method, layer="features", target=PER_SAMPLE, batch_size=batch_size
+    )
+    by_rows = camviz.explain(
+        model,
+        tiny_inputs,
+        method,
+        layer="features",
+        target=lambda out, rows: out[torch.arange(len(rows)), PER_SAMPLE[rows]],
+        batch_size=batch_size,
+    )
+    torch.testing.assert_close(by_rows.layer_maps, by_class.layer_maps)
+    torch.testing.assert_close(by_rows.scores, by_class.scores)
+
+
+# Ablation-CAM warns that it retries without its shortcut before the error.
+@pytest.mark.filterwarnings("ignore:ablationcam. the layers after")
+@pytest.mark.parametrize(("method", "batch_size"), BATCH_OF_THREE)
+def test_a_one_argument_per_sample_callable_is_refused_not_misread(method, batch_size, tiny_inputs):
+    def per_sample(out: torch.Tensor) -> torch.Tensor:
+        return out[torch.arange(len(out)), PER_SAMPLE]
+
+    with pytest.raises(CamvizError, match="or take the rows, fn\\(output, rows\\)"):
+        camviz.explain(
+            TinyNet(),
+            tiny_inputs,
+            method,
+            layer="features",
+            target=per_sample,
+            batch_size=batch_size,
+        )

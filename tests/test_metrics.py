@@ -124,6 +124,25 @@ def test_batches_targets_and_batch_size_do_not_change_the_curves():
         torch.testing.assert_close(together.scores[index : index + 1], alone.scores)
 
 
+def test_a_target_that_takes_rows_scores_each_perturbed_image_for_its_own_input():
+    # steps=2 gives 3 images per input: a batch of 3 rows can be all of one input.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16, 5)).eval()
+    images, maps = torch.randn(3, 3, 4, 4), torch.rand(3, 4, 4)
+    targets = torch.tensor([4, 0, 2])
+    by_class = metrics.deletion(model, images, maps, targets, steps=2, batch_size=3, score="logit")
+    by_rows = metrics.deletion(
+        model, images, maps, lambda out, rows: out[torch.arange(len(rows)), targets[rows]],
+        steps=2, batch_size=3, score="logit",
+    )  # fmt: skip
+    torch.testing.assert_close(by_rows.scores, by_class.scores)
+    with pytest.raises(CamvizError, match="or take the rows"):
+        metrics.deletion(
+            model, images, maps, lambda out: out[torch.arange(len(out)), targets],
+            steps=2, batch_size=3, score="logit",
+        )  # fmt: skip
+
+
 def test_confidence_average_drop_and_increase_by_hand():
     # Image 1 (logit 0.01 * sum(W) = 1.36): a map of 1/2 everywhere halves the logit to 0.68,
     # so the probability falls. Image 2: weights +0.1 on the left half and -0.1 on the right

@@ -7,10 +7,12 @@ import re
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 from camviz.cams import names
 
+pytestmark = pytest.mark.notebooks
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from scipy import ndimage, stats
+from torch import nn
 
 from camviz.core.errors import CamvizError
 from camviz.evaluation.sanity import cascading_randomization, spearman, ssim
@@ -122,3 +123,64 @@ def test_user_mistakes_are_one_line_errors(synthetic):
         cascading_randomization(model, data.images, "no-such-cam")
     with pytest.raises(CamvizError, match="shape"):
         spearman(torch.zeros(2, 3, 3), torch.zeros(2, 4, 4))
+
+
+class GatedBlock(nn.Module):
+    """A ConvNeXt-like block: it owns ``gamma`` and uses it after its own conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.gamma = nn.Parameter(torch.full((1, 4, 1, 1), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gamma * self.conv(x)
+
+
+class OffsetNet(nn.Module):
+    """A ViT-like parent: it owns ``offset`` (a position embedding) and adds it after the
+    stem, before the block and the head that it also owns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.offset = nn.Parameter(torch.randn(1, 4, 16, 16))
+        self.block = GatedBlock()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.stem(x) + self.offset
+        return self.head(self.block(tokens).mean(dim=(2, 3)))
+
+
+def test_each_stage_randomises_one_layer_and_a_parents_own_parameters_where_they_act():
+    torch.manual_seed(0)
+    model = OffsetNet()
+    trained = {name: value.clone() for name, value in model.named_parameters()}
+    random_after_each_stage = []
+
+    def record_random_parameters(copied, inputs, target):
+        random_after_each_stage.append(
+            {
+                name
+                for name, value in copied.named_parameters()
+                if not torch.equal(value, trained[name])
+            }
+        )
+        return inputs.mean(dim=1)
+
+    report = cascading_randomization(
+        model, torch.rand(2, 3, 16, 16), record_random_parameters, target=0
+    )
+    assert report.stages == ["head", "block.gamma", "block.conv", "offset", "stem"]
+    head = {"head.weight", "head.bias"}
+    conv = {"block.conv.weight", "block.conv.bias"}
+    stem = {"stem.weight", "stem.bias"}
+    assert random_after_each_stage == [
+        set(),  # the original maps
+        head,
+        head | {"block.gamma"},  # a constant layer scale changes too
+        head | {"block.gamma"} | conv,
+        head | {"block.gamma"} | conv | {"offset"},
+        head | {"block.gamma"} | conv | {"offset"} | stem,
+    ]

@@ -89,6 +89,8 @@ def test_an_n_by_k_tensor_gives_k_given_classes_per_sample():
         (4, "class id 4 is out of range: the model has 4 classes"),
         ([0, -1], "class id -1 is out of range"),
         (1.5, "must be class ids"),
+        ([0, True], "class ids \\(ints\\), not \\[0, True\\] \\(it holds a bool\\)"),
+        (True, "must be class ids"),
         ("top5", "top-k needs 1 <= k <= 4"),
         ("best", "unknown target 'best'"),
     ],

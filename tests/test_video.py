@@ -61,13 +61,15 @@ def test_frames_read_in_any_order_equal_a_straight_read(clip):
 
 
 @pytest.mark.parametrize("every", [1, 3])
-def test_video_gives_a_row_per_frame_and_an_overlay_video(clip, tmp_path, tiny_mobilenet, every):
+def test_video_gives_a_row_per_frame_and_an_overlay_video(
+    clip, tmp_path, tiny_mobilenet, every, manifest_rows
+):
     out = tmp_path / "out"
     model = ["--model", "mobilenet_v3_small", "--weights", tiny_mobilenet]
     args = [str(clip), *model, "--every", str(every), "--batch-size", "3", "--quiet"]
     assert main(["explain", *args, "--out", str(out)]) == 0
     summary = json.loads((out / "manifest.json").read_text())
-    rows = summary["images"]
+    rows = manifest_rows(out)
     explained_frames = list(range(0, FRAMES, every))
     assert [(row["input"], row["frame"], row["status"]) for row in rows] == [
         (str(clip), frame, "ok") for frame in explained_frames

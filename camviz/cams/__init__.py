@@ -15,7 +15,10 @@ from camviz.cams import (  # noqa: F401 - importing a method module registers it
     guided,
     hirescam,
     layercam,
+    legrad,
     scorecam,
+    sess,
+    wrappers,
     xgradcam,
 )
 from camviz.cams.base import CamMethod, LayerData

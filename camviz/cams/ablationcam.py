@@ -76,6 +76,7 @@ class AblationCAM(PerturbationMethod):
             ablated = self.ablated_scores(ranks)
         weights = []
         for data, scores in zip(ranks, ablated, strict=True):
+            assert data.scores is not None  # the engine scores every rank
             original = data.scores.unsqueeze(1)
             drop = original - scores
             weights.append(torch.where(original != 0, drop / original, drop))
@@ -98,7 +99,7 @@ class AblationCAM(PerturbationMethod):
                 if broadcast is None:
                     checked, reason = _checked_broadcast(data, ranks, sample, chunk)
                     broadcast = checked is not None
-                    if broadcast:
+                    if checked is not None:
                         scores[:, sample, chunk] = checked
                         continue
                     warnings.warn(
@@ -130,6 +131,7 @@ def _ablated_pass(
     inputs = single if broadcast else single.repeat(len(channels), *[1] * (single.dim() - 1))
     samples = torch.full_like(channels, sample)
     rows = (channels >= 0).nonzero()[:, 0]
+    assert data.layout is not None  # checked by AblationCAM.ablated_scores
     # Channels are dim 1 of channels-first maps and the last dim of the other layouts.
     last = data.layout.channel_dim != 1
     index = (rows, ..., channels[rows]) if last else (rows, channels[rows])
@@ -154,6 +156,7 @@ def _checked_broadcast(
         scores = _ablated_pass(data, ranks, sample, with_check, broadcast=True)
     except _BROADCAST_FAILURES as error:
         return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+    assert data.scores is not None  # checked by AblationCAM.ablated_scores
     check, expected = scores[0, 0], data.scores[sample]
     if not torch.isclose(check, expected, rtol=1e-3, atol=1e-4 * max(1.0, abs(float(expected)))):
         return None, f"the unablated copy scored {float(check):.6g}, not {float(expected):.6g}"

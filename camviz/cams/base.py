@@ -16,14 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from torch import nn
 
+from camviz.core.errors import CamvizError
+
 if TYPE_CHECKING:
     from camviz.cams.layout import Layout
     from camviz.core.inputs import Inputs
+    from camviz.core.targets import Target
 
 
 @dataclass
@@ -78,6 +81,16 @@ def weighted_sum(weights: torch.Tensor, activations: torch.Tensor) -> torch.Tens
     """``sum_k w_k A^k``: ``(N, C)`` weights and ``(N, C, *grid)`` maps to ``(N, *grid)``."""
     return (weights.view(*weights.shape, *[1] * (activations.dim() - 2)) * activations).sum(1)
 
+    @property
+    def dy_da(self) -> torch.Tensor:
+        """``gradients``, for a method that needs them (its ``uses_gradients`` is true)."""
+        if self.gradients is None:
+            raise CamvizError(
+                f"no gradients were computed at layer {self.layer!r}; a method that reads "
+                "them must set uses_gradients = True"
+            )
+        return self.gradients
+
 
 class CamMethod:
     """A CAM method. Subclasses set the class attributes and implement :meth:`layer_map`.
@@ -86,13 +99,29 @@ class CamMethod:
         name: Registry name (``"gradcam"``).
         paper: Title, authors and year of the paper that defines it.
         needs: What it needs from the engine, for the docs table (``"gradients"``).
-        uses_gradients: Whether the engine must compute ``dy/dA``.
+        uses_gradients: Whether the engine must compute ``dy/dA`` (wrappers of another
+            method set it per instance).
+        fuse: How the maps of several target layers combine when the method prescribes it
+            (RefineCAM multiplies them); ``None`` leaves it to :func:`camviz.explain`.
     """
 
     name: ClassVar[str]
     paper: ClassVar[str]
     needs: ClassVar[str] = "gradients"
-    uses_gradients: ClassVar[bool] = True
+    uses_gradients: bool = True
+    fuse: ClassVar[Literal["mean", "max", "product"] | None] = None
+
+    @classmethod
+    def applies_to(cls, model: nn.Module) -> bool:
+        """Whether the method can explain ``model`` (LeGrad needs a vision transformer)."""
+        return True
+
+    def explained_target(self, target: Target) -> Target:
+        """The target the engine explains when the caller asks for ``target``.
+
+        The identity; Finer-CAM turns it into a contrast with the nearest classes.
+        """
+        return target
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
         """The raw ``(N, *grid)`` map, before ReLU and normalisation."""

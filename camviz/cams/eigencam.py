@@ -89,4 +89,4 @@ class EigenGradCAM(CamMethod):
     )
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
-        return first_principal_component(data.gradients * data.activations)
+        return first_principal_component(data.dy_da * data.activations)

@@ -15,10 +15,16 @@ Inputs of any spatial rank (signals, images, volumes and clips), several inputs
 
 Whatever happens, the model comes back as it was: hooks removed, every module's train/eval
 flag restored, ``requires_grad`` and ``.grad`` never touched.
+
+**Threads.** Calls on one model are serialised (:func:`camviz.core.modelstate.exclusive`):
+a second thread that explains with the same model waits until the first call is done,
+since its hooks would otherwise see the other call's pass. Threads with their own copies
+of the model run in parallel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,21 +38,22 @@ from camviz.cams.base import CamMethod, ChannelWeighted, LayerData, weighted_sum
 from camviz.cams.layout import Layout, as_spatial, layout_kind, layout_of, patch_size
 from camviz.cams.registry import get
 from camviz.core.errors import CamvizError
+from camviz.core.finite import first_nonfinite_layer, is_finite
 from camviz.core.hooks import detach_to
 from camviz.core.inputs import Inputs, Key, as_inputs
 from camviz.core.layerkinds import CallLog, Kind, module_kind, record_calls
 from camviz.core.layers import Layer, default_target_layer
 from camviz.core.maps import normalize as normalize_maps
 from camviz.core.maps import normalize_signed, upsample
-from camviz.core.modelstate import eval_mode
+from camviz.core.modelstate import eval_mode, exclusive, uncompiled
 from camviz.core.similarity import Similarity
 from camviz.core.taps import At, edit_spots, parse, spot_keys
 from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 
-Fuse = Literal["mean", "max"]
+Fuse = Literal["mean", "max", "product"]
 
 # as_spatial is re-exported: methods that run their own layer passes use it.
-__all__ = ["Explanation", "LayerPass", "as_spatial", "explain", "layer_pass"]
+__all__ = ["Explanation", "LayerPass", "as_spatial", "explain", "layer_data", "layer_pass"]
 
 DEFAULT_AUG_SCALES = (1.0, 0.9, 1.1)
 
@@ -165,7 +172,8 @@ def layer_pass(
     keys (:mod:`camviz.core.taps`); ``record`` also logs every module call (for layouts).
     """
     batch = inputs if isinstance(inputs, Inputs) else Inputs((inputs,), {}, 0, len(inputs))
-    with torch.inference_mode(False):  # a caller's inference mode would stop the graph too
+    # A caller's inference mode would stop the graph too.
+    with exclusive(model), torch.inference_mode(False):
         return _layer_pass(model, batch, layers, target, gradients, output_key, record)
 
 
@@ -186,12 +194,17 @@ def _layer_pass(
                 output = batch(model)
         else:
             output = batch(model)
+    activations = {}
+    deltas = []  # one per layer when gradients are asked for (the strict zip below checks)
     for tap in taps.values():
         if tap.activation is None:
             raise CamvizError(
                 f"layer {tap.name!r} did not run in the forward pass; pick a layer that the "
                 "model uses (`camviz layers` lists them with shapes)"
             )
+        activations[tap.name] = tap.activation
+        if tap.delta is not None:
+            deltas.append(tap.delta)
     fns, ids = score_fns(target, output, output_key)
     per_rank: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if gradients else {}
     scores = []
@@ -207,7 +220,6 @@ def _layer_pass(
                     f"the explained score does not depend on layer(s) {', '.join(layers)}; "
                     "pick a layer before the model's output"
                 )
-            deltas = [taps[name].delta for name in layers]
             grads = torch.autograd.grad(
                 score.sum(), deltas, retain_graph=rank < len(fns) - 1, allow_unused=True
             )
@@ -215,7 +227,7 @@ def _layer_pass(
                 per_rank[name].append(torch.zeros_like(delta) if grad is None else grad)
     return LayerPass(
         output=detach_to(output, None),
-        activations={name: tap.activation for name, tap in taps.items()},
+        activations=activations,
         gradients=per_rank,
         scores=torch.stack(scores, dim=1),
         score_fns=fns,
@@ -232,7 +244,7 @@ def explain(
     target: Target = None,
     *,
     output_key: str | int | None = None,
-    fuse: Fuse = "mean",
+    fuse: Fuse | None = None,
     aug_smooth: bool | Sequence[float] = False,
     at: At = "output",
     layout: str | Mapping[str, str] | None = None,
@@ -246,14 +258,15 @@ def explain(
     Args:
         model: Any ``nn.Module`` (a classifier, a regressor, an embedding model with
             :class:`~camviz.core.similarity.Similarity`, or any model with a ``target``
-            callable); ``DataParallel`` and ``DistributedDataParallel`` wrappers are looked
-            through. It is used in eval mode for the call and handed back exactly as it came.
+            callable); ``DataParallel``, ``DistributedDataParallel`` and ``torch.compile``
+            wrappers are looked through (layer names are the inner module's). It is used in
+            eval mode for the call and handed back exactly as it came.
         inputs: The batch, already preprocessed and moved to the model's device: an
             ``(N, C, L)``, ``(N, C, H, W)`` or ``(N, C, D, H, W)`` tensor (one ``(C, H, W)``
             image for a 2-D image model), a tuple of inputs passed positionally or a dict
             passed as keywords (:mod:`camviz.core.inputs`).
         method: A registry name (:func:`camviz.cams.names`) or a method instance.
-        layer: Target layer (s): names, wildcard patterns or submodules of the model,
+        layer: Target layer(s): names, wildcard patterns or submodules of the model,
             or a list of them; ``"name[0]"`` / ``"name[key]"`` takes one element of
             a tuple, list or dict output (:mod:`camviz.core.taps`). ``None`` picks the last
             layer with a spatial output, or for a vision transformer the norm before its
@@ -263,10 +276,15 @@ def explain(
             for top-1, or the output itself when it is one number per sample, ``"top3"``,
             :class:`~camviz.core.targets.Region`, :class:`~camviz.core.targets.Contrast`,
             :class:`~camviz.core.similarity.Similarity`, or a callable ``output -> (N,)``).
+            Methods that re-run the model score batches whose rows come from any input; a
+            callable that holds per-input data must take the rows,
+            ``(output, rows) -> (R,) scores`` with ``rows[r]`` the input of row ``r``
+            (:class:`~camviz.core.targets.RowTarget`).
         output_key: For models whose output is a tuple or dict: where the logits are.
-        fuse: How maps of several layers combine (``"mean"`` or ``"max"``): each layer's
-            normalised map is upsampled to the input size, then the mean or the pixel-wise
-            maximum is taken and normalised again.
+        fuse: How maps of several layers combine (``"mean"``, ``"max"`` or ``"product"``):
+            each layer's normalised map is upsampled to the input size, then the mean, the
+            pixel-wise maximum or the product is taken and normalised again. ``None``: the
+            method's own rule (``refinecam`` multiplies), else the mean.
         aug_smooth: Test-time augmentation, for any method: the batch is also explained
             flipped along its last axis and rescaled, each map is flipped back and resized
             to the input, and the maps are averaged (then normalised). ``True`` uses the
@@ -291,16 +309,24 @@ def explain(
         An :class:`Explanation`.
 
     Raises:
-        CamvizError: A bad layer name, target, input shape, layout or method name.
+        CamvizError: A bad layer name, target, input shape, layout or method name; NaN or Inf
+            in the model's scores or activations (the message names the first layer that
+            output them); all-zero maps at a default layer that the score does not depend on.
+
+    Two threads calling this with one model take turns (see the module docstring).
     """
+    if not isinstance(method, (str, CamMethod)):
+        raise CamvizError(
+            f"method must be a method name (camviz.cams.names()) or a CamMethod, not "
+            f"{type(method).__name__} {method!r}"
+        )
     cam = get(method)(**options) if isinstance(method, str) else method
-    if fuse not in ("mean", "max"):
-        raise CamvizError(f"fuse must be 'mean' or 'max', not {fuse!r}")
+    model = _unwrapped(uncompiled(model))
+    fuse = _fusion(cam, fuse)
+    target = cam.explained_target(target)
     scales = _aug_scales(aug_smooth, target)
-    model = _unwrapped(model)
     batch = as_inputs(inputs, model, map_input)
-    with eval_mode(model):
-        default = layer is None
+    with exclusive(model), eval_mode(model):
         layers = (
             [default_target_layer(model, batch)] if layer is None else spot_keys(model, layer, at)
         )
@@ -316,18 +342,22 @@ def explain(
             output_key=output_key,
             record=any(_known_kind(model, name, batch, given) is None for name in layers),
         )
+        _check_finite(model, batch, recorded)
         kinds = {name: _kind(model, name, batch, given, recorded) for name in layers}
         raw, weights, by_input = _layer_maps(cam, model, batch, recorded, kinds)
-        if default and cam.uses_gradients:
-            _check_default_layer(layers[0], raw[layers[0]])
+        if layer is None:
+            _check_default_layer(model, batch, raw, recorded, kinds, target, output_key)
         maps_by_layer = {name: _finish(maps, relu, normalize) for name, maps in raw.items()}
         size = batch.main.shape[2:]
         full_size = {name: upsample(maps, size) for name, maps in maps_by_layer.items()}
         if scales:
             # Augmented passes explain the classes chosen here, even if augmentation flips them.
-            fixed: Target = recorded.class_ids
-            if fixed is None or isinstance(target, Contrast):
+            chosen = recorded.class_ids
+            fixed: Target = chosen
+            if chosen is None:
                 fixed = target
+            elif isinstance(target, Contrast):
+                fixed = dataclasses.replace(target, a=chosen[:, 0])
             maps_by_layer, full_size = _aug_smoothed(
                 cam,
                 model,
@@ -426,6 +456,52 @@ def _kind(
     return kind
 
 
+def layer_data(
+    model: nn.Module,
+    inputs: torch.Tensor | Inputs,
+    recorded: LayerPass,
+    name: str,
+    kind: Kind | None = None,
+) -> list[LayerData]:
+    """What a method gets for layer ``name`` of a recorded pass: one :class:`LayerData` per
+    rank, activations and gradients in their ``(N, C, *grid)`` view (``kind``: the layout
+    kind when known, see :mod:`camviz.cams.layout`).
+
+    Raises:
+        CamvizError: The layer folds windows or heads into the batch, or its layout is unclear.
+    """
+    batch = inputs if isinstance(inputs, Inputs) else Inputs((inputs,), {}, 0, len(inputs))
+    output = recorded.activations[name]
+    if output.shape[0] != batch.size:
+        raise CamvizError(
+            f"layer {name!r} outputs a batch of {output.shape[0]} for {batch.size} "
+            "inputs (windows, frames or heads folded into the batch); pick a layer whose "
+            "output keeps one row per input"
+        )
+    if kind is None and not parse(name).path:
+        kind = module_kind(model.get_submodule(parse(name).name))
+    layout = _layout(name, output, batch.main, model, kind)
+    activations = layout.to_spatial(output)
+    ranks = []
+    for rank, score_fn in enumerate(recorded.score_fns):
+        gradients = recorded.gradients[name][rank] if recorded.gradients else None
+        ranks.append(
+            LayerData(
+                layer=name,
+                activations=activations,
+                gradients=None if gradients is None else layout.to_spatial(gradients),
+                model=model,
+                inputs=batch.main,
+                score=score_fn,
+                class_ids=None if recorded.class_ids is None else recorded.class_ids[:, rank],
+                scores=recorded.scores[:, rank],
+                layout=layout,
+                batch=batch,
+            )
+        )
+    return ranks
+
+
 def _layer_maps(
     cam: CamMethod,
     model: nn.Module,
@@ -436,38 +512,17 @@ def _layer_maps(
     """Each layer's raw ``(N * K, *grid)`` maps, sample-major; the channel weights of
     weight-based methods (``(N * K, C)`` per layer); the per-input maps of input-gradient
     methods."""
-    inputs = batch.main
     maps_by_layer = {}
     weights_by_layer: dict[str, torch.Tensor] | None = (
         {} if isinstance(cam, ChannelWeighted) else None
     )
     by_input = None
-    for name, output in recorded.activations.items():
-        if output.shape[0] != batch.size:
-            raise CamvizError(
-                f"layer {name!r} outputs a batch of {output.shape[0]} for {batch.size} "
-                "inputs (windows, frames or heads folded into the batch); pick a layer whose "
-                "output keeps one row per input"
-            )
-        layout = _layout(name, output, inputs, model, kinds[name])
-        activations = layout.to_spatial(output)
-        ranks = []
-        for rank, score_fn in enumerate(recorded.score_fns):
-            gradients = recorded.gradients[name][rank] if recorded.gradients else None
-            ranks.append(
-                LayerData(
-                    layer=name,
-                    activations=activations,
-                    gradients=None if gradients is None else layout.to_spatial(gradients),
-                    model=model,
-                    inputs=inputs,
-                    score=score_fn,
-                    class_ids=None if recorded.class_ids is None else recorded.class_ids[:, rank],
-                    scores=recorded.scores[:, rank],
-                    layout=layout,
-                    batch=batch,
-                )
-            )
+    for name in recorded.activations:
+        ranks = layer_data(model, batch, recorded, name, kinds[name])
+        activations = ranks[0].activations
+        if not batch.size:  # an empty batch: no maps, and nothing for a method to do
+            maps_by_layer[name] = activations.new_zeros(0, *activations.shape[2:])
+            continue
         with torch.no_grad():
             if weights_by_layer is not None:
                 assert isinstance(cam, ChannelWeighted)
@@ -483,7 +538,13 @@ def _layer_maps(
                 }
             else:
                 per_rank = cam.rank_maps(ranks)
-        maps_by_layer[name] = torch.stack(per_rank, dim=1).flatten(0, 1)
+        maps = torch.stack(per_rank, dim=1).flatten(0, 1)
+        if not is_finite(maps):
+            raise CamvizError(
+                f"{cam.name} gave NaN or Inf maps at layer {name!r} from finite activations "
+                "and scores; try another method or layer"
+            )
+        maps_by_layer[name] = maps
     return maps_by_layer, weights_by_layer, by_input
 
 
@@ -519,19 +580,80 @@ def _fused(maps: Sequence[torch.Tensor], fuse: Fuse, relu: bool, normalize: bool
     if len(maps) == 1 or not normalize:
         return _rescale(maps[0], relu, normalize)
     stacked = torch.stack(list(maps))
+    if fuse == "product":
+        return _rescale(stacked.prod(0), relu, normalize)
     return _rescale(stacked.amax(0) if fuse == "max" else stacked.mean(0), relu, normalize)
 
 
-def _check_default_layer(layer: str, maps: torch.Tensor) -> None:
-    """Refuse a default layer whose gradient maps are all zero for every sample (a head that
-    reads only a class token after it), naming what to do instead."""
-    if not bool(maps.any()):
-        raise CamvizError(
-            f"the default layer {layer!r} gets no gradient at any location (the model's "
-            "head reads only a class token after it), so every map would be zero; pass "
-            "layer= a norm or block before the last attention that mixes the patch tokens "
-            "(`camviz layers` lists them)"
+def _check_default_layer(
+    model: nn.Module,
+    batch: Inputs,
+    raw: dict[str, torch.Tensor],
+    recorded: LayerPass,
+    kinds: Mapping[str, Kind | None],
+    target: Target,
+    output_key: str | int | None,
+) -> None:
+    """All-zero maps at a layer camviz chose, because the score does not depend on its grid,
+    are an error: the user never named that layer. A head that reads only a class token
+    after the layer is such a case: the gradient reaches that token, not the patches."""
+    ((name, maps),) = raw.items()
+    if not len(maps) or bool(torch.relu(maps).any()):
+        return
+    gradients = recorded.gradients.get(name)
+    if gradients is None:  # a method without gradients: take them now, in this rare case
+        try:
+            with_gradients = layer_pass(model, batch, [name], target, output_key=output_key)
+        except CamvizError:  # no autograd path from the layer to the score
+            with_gradients = None
+        gradients = with_gradients.gradients[name] if with_gradients else []
+    layout = _layout(name, recorded.activations[name], batch.main, model, kinds[name])
+    if any(bool(layout.to_spatial(values).any()) for values in gradients):
+        return  # the score depends on the layer: the maps say "no positive evidence"
+    raise CamvizError(
+        f"all maps are zero: the explained score does not depend on the default layer {name!r} "
+        "at any location (a head that reads only a class token after it?); pass layer=NAME, "
+        "e.g. the norm before the last attention (`camviz layers` lists them)"
+    )
+
+
+def _check_finite(model: nn.Module, batch: Inputs, recorded: LayerPass) -> None:
+    """NaN or Inf in what the pass recorded is an error: the maps would be zeros."""
+    forward = [("explained scores", recorded.scores)] + [
+        (f"activations of layer {name!r}", values) for name, values in recorded.activations.items()
+    ]
+    bad = [what for what, values in forward if not is_finite(values)]
+    if bad:
+        single = len(batch.args) == 1 and not batch.kwargs
+        first = first_nonfinite_layer(model, batch.main) if single else None
+        source = (
+            f"layer {first!r} is the first to output NaN or Inf"
+            if first is not None
+            else "every layer's output is finite, so the target computes them"
+            if single
+            else "camviz.find_first_nonfinite on the model finds the first layer that outputs them"
         )
+        raise CamvizError(
+            f"the {bad[0]} hold NaN or Inf: {source}; camviz.find_first_nonfinite(model, "
+            "inputs) says why"
+        )
+    for name, per_rank in recorded.gradients.items():
+        if not all(is_finite(gradients) for gradients in per_rank):
+            raise CamvizError(
+                f"the gradients at layer {name!r} hold NaN or Inf although the forward pass is "
+                "finite (the backward pass overflowed); explain in float32 or pick another layer"
+            )
+
+
+def _fusion(cam: CamMethod, fuse: Fuse | None) -> Fuse:
+    """The layer fusion to use: the caller's, else the method's own, else the mean."""
+    if fuse is not None and fuse not in ("mean", "max", "product"):
+        raise CamvizError(f"fuse must be 'mean', 'max' or 'product', not {fuse!r}")
+    if cam.fuse is not None and fuse not in (None, cam.fuse):
+        raise CamvizError(
+            f"{cam.name} combines layers by {cam.fuse!r}; leave fuse= unset (got {fuse!r})"
+        )
+    return fuse or cam.fuse or "mean"
 
 
 def _aug_scales(aug_smooth: bool | Sequence[float], target: Target) -> tuple[float, ...]:

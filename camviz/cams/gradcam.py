@@ -31,4 +31,4 @@ class GradCAM(ChannelWeighted):
     )
 
     def channel_weights(self, data: LayerData) -> torch.Tensor:
-        return data.gradients.mean(dim=grid_dims(data.gradients))
+        return data.dy_da.mean(dim=grid_dims(data.dy_da))

@@ -66,7 +66,7 @@ class GradCAMPlusPlus(ChannelWeighted):
     )
 
     def channel_weights(self, data: LayerData) -> torch.Tensor:
-        gradients = data.gradients
+        gradients = data.dy_da
         squared = gradients.square()
         return plusplus_weights(data.activations, gradients, squared, squared * gradients)
 
@@ -128,6 +128,7 @@ class SmoothGradCAMPlusPlus(ChannelWeighted):
         low, high = inputs.flatten(1).aminmax(dim=1)
         sigma = (self.noise * (high - low)).view(-1, *[1] * (inputs.dim() - 1))
         moments = data.activations.new_zeros(3, *data.activations.shape)
+        assert data.layout is not None  # the engine gives every layer its layout
         for _ in range(self.samples):
             noise = torch.randn(
                 inputs.shape, generator=generator, device=inputs.device, dtype=inputs.dtype

@@ -5,12 +5,20 @@ These methods need ``dy/dx``, so each runs its own forward and backward pass fro
 the input that requires grad. Only that copy receives a gradient (:func:`torch.autograd.grad`
 with explicit inputs): no parameter's ``.grad`` is written, and the model is not changed.
 
-Guided Backprop changes the backward pass of every rectifier. Rather than swapping modules
+Guided Backprop changes the backward pass of every activation. Rather than swapping modules
 in the model, a :class:`~torch.overrides.TorchFunctionMode` intercepts the calls themselves
 for the duration of one forward pass, which covers ``nn.ReLU`` (in place or not),
-``F.relu``, ``torch.relu``, ``Tensor.relu`` and their in-place forms, and ReLU6
-(``nn.ReLU6``, ``F.relu6``, ``F.hardtanh`` with ``min_val=0``). The mode is a context
-manager, so it is gone when the pass ends, also on errors.
+``F.relu``, ``torch.relu``, ``Tensor.relu`` and their in-place forms, ReLU6 (``nn.ReLU6``,
+``F.relu6``, ``F.hardtanh`` with ``min_val=0``), and the smooth activations of today's
+vision models: GELU (ViT, ConvNeXt, Swin), SiLU (EfficientNet), Hardswish (MobileNetV3),
+Mish, ELU and LeakyReLU, as modules or ``F.`` functions. The mode is a context manager, so
+it is gone when the pass ends, also on errors.
+
+The guided rule for an activation ``y = f(x)`` is ``dL/dx = ReLU(dL/dy) * f'(x) * 1[x > 0]``:
+only positive gradients pass, and only where the unit's input is positive. For ReLU
+(``f'(x) = 1[x > 0]``) that is exactly Springenberg et al.'s rule; for the smooth
+activations it is its natural extension (camviz's, not the paper's), and without it Guided
+Backprop on a model without ReLUs would silently equal vanilla gradients.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -60,8 +69,15 @@ def forward_from_inputs(
         CamvizError: The score does not depend on the inputs.
     """
     batch = inputs if isinstance(inputs, Inputs) else Inputs((inputs,), {}, 0, len(inputs))
-    leaves = {key: batch[key].detach().requires_grad_() for key in keys or [batch.key]}
-    with torch.enable_grad():
+    # A caller's inference mode would stop the graph as no_grad does not (as in layer_pass);
+    # an input made under it is an inference tensor, which can only lead a graph as a copy.
+    with torch.inference_mode(False), torch.enable_grad():
+        leaves = {
+            key: (batch[key].clone() if batch[key].is_inference() else batch[key].detach())
+            for key in keys or [batch.key]
+        }
+        for leaf in leaves.values():
+            leaf.requires_grad_()
         with during_forward or nullcontext():
             output = batch.replaced(leaves)(model)
         total = score(output).sum()
@@ -130,30 +146,31 @@ class InputGradientMethod(CamMethod):
         )
 
 
-class _GuidedRectifier(torch.autograd.Function):
-    """``clamp(x, low, high)`` whose backward passes only positive gradients."""
+class _GuidedActivation(torch.autograd.Function):
+    """``f(x)`` whose backward is ``ReLU(dy) * f'(x) * 1[x > 0]`` (Guided Backprop)."""
 
     @staticmethod
     def forward(
-        ctx: Any, inputs: torch.Tensor, low: float, high: float | None, inplace: bool
+        ctx: Any,
+        inputs: torch.Tensor,
+        function: Callable[[torch.Tensor], torch.Tensor],
+        inplace: bool,
     ) -> torch.Tensor:
+        with torch.enable_grad():
+            leaf = inputs.detach().requires_grad_()
+            outputs = function(leaf)
+            # f is element-wise: the vector-Jacobian product with ones is f'(x).
+            (slope,) = torch.autograd.grad(outputs, leaf, torch.ones_like(outputs))
+        ctx.save_for_backward(slope * (inputs > 0))
         if inplace:
             ctx.mark_dirty(inputs)
-            outputs = inputs.clamp_(low, high)
-        else:
-            outputs = inputs.clamp(low, high)
-        ctx.save_for_backward(outputs)
-        ctx.low, ctx.high = low, high
-        return outputs
+            return inputs.copy_(outputs.detach())
+        return outputs.detach()
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (outputs,) = ctx.saved_tensors
-        # Where the unit is flat (clamped), its own derivative is zero, as in plain backprop.
-        passes = outputs > ctx.low
-        if ctx.high is not None:
-            passes &= outputs < ctx.high
-        return grad_output.clamp_min(0) * passes, None, None, None
+        (gate,) = ctx.saved_tensors
+        return grad_output.clamp_min(0) * gate, None, None
 
 
 # ReLUs called as C functions or tensor methods, and whether each works in place.
@@ -163,31 +180,33 @@ _RELU_CALLS = {
     torch.Tensor.relu: False,
     torch.Tensor.relu_: True,
 }
-# Rectifiers written as Python functions with keyword arguments.
-_FUNCTIONAL = {function: inspect.signature(function) for function in (F.relu, F.relu6, F.hardtanh)}
+# Activations written as Python functions with keyword arguments (and ``inplace``).
+_FUNCTIONAL = {
+    function: inspect.signature(function)
+    for function in (F.relu, F.relu6, F.hardtanh, F.silu, F.hardswish, F.mish, F.elu, F.leaky_relu)
+}
 
 
-def _as_rectifier(
+def _as_activation(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[torch.Tensor, float, float | None, bool] | None:
-    """``(input, low, high, inplace)`` if ``func(*args, **kwargs)`` is a rectifier call."""
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor], bool] | None:
+    """``(input, f, inplace)`` if ``func(*args, **kwargs)`` is a guided activation's call."""
     if func in _RELU_CALLS:
-        return args[0], 0.0, None, _RELU_CALLS[func]
+        return args[0], torch.relu, _RELU_CALLS[func]
+    if func is F.gelu:  # a C function without a signature: gelu(input, approximate=...)
+        return args[0], partial(F.gelu, *args[1:], **kwargs), False
     if func not in _FUNCTIONAL:
         return None
     bound = _FUNCTIONAL[func].bind(*args, **kwargs)
     bound.apply_defaults()
-    call = bound.arguments
-    if func is F.relu:
-        return call["input"], 0.0, None, call["inplace"]
-    if func is F.relu6:
-        return call["input"], 0.0, 6.0, call["inplace"]
-    if call["min_val"] == 0:
-        return call["input"], 0.0, call["max_val"], call["inplace"]
-    return None
+    call = dict(bound.arguments)
+    if func is F.hardtanh and call["min_val"] != 0:
+        return None  # a hardtanh that is not a rectifier back-propagates as usual
+    inputs, inplace = call.pop("input"), call.pop("inplace")
+    return inputs, partial(func, **call), inplace
 
 
-class _GuidedReLUs(TorchFunctionMode):
+class _GuidedActivations(TorchFunctionMode):
     def __torch_function__(
         self,
         func: Callable[..., Any],
@@ -196,22 +215,24 @@ class _GuidedReLUs(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        rectifier = _as_rectifier(func, args, kwargs)
-        if rectifier is None:
+        activation = _as_activation(func, args, kwargs)
+        if activation is None:
             return func(*args, **kwargs)
-        return _GuidedRectifier.apply(*rectifier)
+        return _GuidedActivation.apply(*activation)
 
 
 def guided_relus() -> TorchFunctionMode:
-    """A context manager inside which every ReLU and ReLU6 back-propagates as in Guided
-    Backprop: ``dx = ReLU(dy) * 1[the unit is not clamped]``. Forward values are unchanged.
+    """A context manager inside which every ReLU, ReLU6 and smooth activation (GELU, SiLU,
+    Hardswish, Mish, ELU, LeakyReLU) back-propagates as in Guided Backprop:
+    ``dx = ReLU(dy) * f'(x) * 1[x > 0]`` (the module docstring says why). Forward values
+    are unchanged.
 
     Example:
         >>> with guided_relus():
         ...     score = model(x.requires_grad_())[:, 3].sum()
         >>> (guided,) = torch.autograd.grad(score, x)
     """
-    return _GuidedReLUs()
+    return _GuidedActivations()
 
 
 @register
@@ -244,7 +265,11 @@ class GuidedBackprop(InputGradientMethod):
         dL/dx = ReLU(dL/dy) * 1[x > 0]          (y = ReLU(x); for ReLU6 also 1[x < 6])
 
     shown as ``max_c |g_c|`` at the input's resolution. The target layer plays no part.
-    Rectifiers written otherwise (``clamp``, ``torch.where``) are back-propagated as usual.
+    Smooth activations (GELU, SiLU, Hardswish, Mish, ELU, LeakyReLU) follow the same rule,
+    ``dL/dx = ReLU(dL/dy) * f'(x) * 1[x > 0]`` (camviz's extension; see the module
+    docstring), so ViTs, EfficientNets and ConvNeXts get guided maps, not vanilla gradients.
+    Activations written otherwise (``clamp``, ``torch.where``, ``x * sigmoid(x)``) are
+    back-propagated as usual.
 
     Compared with pytorch-grad-cam's ``GuidedBackpropReLUModel``: the same gradients on
     models built from ``nn.ReLU`` modules; pytorch-grad-cam replaces those modules (and

@@ -30,7 +30,7 @@ class HiResCAM(CamMethod):
     )
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
-        return (data.gradients * data.activations).sum(dim=1)
+        return (data.dy_da * data.activations).sum(dim=1)
 
 
 @register
@@ -50,4 +50,4 @@ class GradCAMElementWise(CamMethod):
     paper = "No paper; introduced by pytorch-grad-cam (Gildenblat and contributors, 2021)"
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
-        return torch.relu(data.gradients * data.activations).sum(dim=1)
+        return torch.relu(data.dy_da * data.activations).sum(dim=1)

@@ -32,4 +32,4 @@ class LayerCAM(CamMethod):
     )
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
-        return (torch.relu(data.gradients) * data.activations).sum(dim=1)
+        return (torch.relu(data.dy_da) * data.activations).sum(dim=1)

@@ -8,7 +8,7 @@ from the same outputs: one perturbed forward pass serves all ranks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,30 +44,18 @@ def checked_batch_size(method: str, batch_size: int) -> int:
     return batch_size
 
 
-def take_rows(output: Any, rows: torch.Tensor) -> Any:
-    """The rows ``rows`` of every tensor in a model output (tensor, tuple, list or dict)."""
-    if isinstance(output, torch.Tensor):
-        return output[rows]
-    if isinstance(output, (tuple, list)):
-        return type(output)(take_rows(item, rows) for item in output)
-    if isinstance(output, Mapping):
-        return {key: take_rows(item, rows) for key, item in output.items()}
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return {"logits": logits[rows]}
-    return output
-
-
 def rank_scores(output: Any, ranks: Sequence[LayerData], samples: torch.Tensor) -> torch.Tensor:
     """``(K, R)``: the explained score of each rank for each of the ``R`` output rows.
 
     Args:
         output: The model's output for a batch of ``R`` perturbed copies.
         ranks: One :class:`LayerData` per rank (their ``score`` functions are used).
-        samples: ``(R,)`` index of the input each row was made from.
+        samples: ``(R,)`` index of the input each row was made from (the ``rows`` of
+            :mod:`camviz.core.targets`' protocol, which every score function follows).
 
     Raises:
-        CamvizError: A target callable does not give one score per row.
+        CamvizError: A target callable does not give one score per row, or scores rows by
+            their position (:func:`camviz.core.targets.call_target`).
     """
     scores = []
     for data in ranks:
@@ -77,7 +65,8 @@ def rank_scores(output: Any, ranks: Sequence[LayerData], samples: torch.Tensor) 
             raise CamvizError(
                 f"the target must give one score per output row, shape {tuple(samples.shape)}, "
                 f"got {shape}; perturbation methods score batches of perturbed copies, so a "
-                "target callable must score each row on its own (e.g. lambda out: out[:, 3])"
+                "target callable must score each row on its own (e.g. lambda out: out[:, 3]) "
+                "or take the rows, fn(output, rows) (see camviz.core.targets)"
             )
         scores.append(score)
     return torch.stack(scores)

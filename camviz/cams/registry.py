@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, TypeVar
 from camviz.core.errors import CamvizError
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from camviz.cams.base import CamMethod
 
 _METHODS: dict[str, type[CamMethod]] = {}
@@ -39,9 +41,10 @@ def _key(name: str) -> str:
     return name.lower().replace("-", "").replace("_", "").replace("+", "p")
 
 
-def names() -> list[str]:
-    """Every registered method name, in registration order."""
-    return list(_METHODS)
+def names(model: nn.Module | None = None) -> list[str]:
+    """Every registered method name, in registration order; with a ``model``, only those
+    that can explain it (``legrad`` needs a vision transformer)."""
+    return [name for name, cls in _METHODS.items() if model is None or cls.applies_to(model)]
 
 
 def table() -> str:

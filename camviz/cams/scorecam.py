@@ -7,10 +7,11 @@ from collections.abc import Sequence
 import torch
 
 from camviz.cams.base import LayerData
-from camviz.cams.perturbation import PerturbationMethod, rank_scores, take_rows
+from camviz.cams.perturbation import PerturbationMethod, rank_scores
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
 from camviz.core.maps import normalize, upsample
+from camviz.core.targets import take_rows
 
 # Input values per forward pass on a CPU when no batch_size is given (see ScoreCAM).
 CPU_PASS_VALUES = 2**20

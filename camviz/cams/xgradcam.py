@@ -34,5 +34,5 @@ class XGradCAM(ChannelWeighted):
     def channel_weights(self, data: LayerData) -> torch.Tensor:
         activations = data.activations
         total = activations.sum(dim=grid_dims(activations))
-        weighted = (data.gradients * activations).sum(dim=grid_dims(activations))
+        weighted = (data.dy_da * activations).sum(dim=grid_dims(activations))
         return torch.where(total != 0, weighted / total, 0)

@@ -6,18 +6,23 @@ Subcommands only parse arguments and call the Python API, and they import torch 
 ``run``, so that ``camviz --help`` answers at once.
 
 A :class:`~camviz.core.errors.CamvizError` (a user mistake) is printed as one line on stderr
-with exit status 1; argument errors exit with 2, as argparse does.
+with exit status 1, and so is an ``OSError`` that no layer below turned into one (a disk
+that fails); argument errors exit with 2, as argparse does. Every message goes through
+:func:`camviz.cli.text.printable`, so a file name cannot write escape sequences to the
+terminal or break the line.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 from camviz import __version__
-from camviz.core.errors import CamvizError
+from camviz.cli.text import Parser, printable
+from camviz.core.errors import CamvizError, first_line
 
 SUBCOMMANDS = ("explain", "layers", "methods", "features", "inspect", "compare")
 
@@ -29,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="See what a PyTorch vision model looks at.",
     )
     parser.add_argument("--version", action="version", version=f"camviz {__version__}")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subparsers = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=Parser
+    )
     for name in SUBCOMMANDS:
         importlib.import_module(f"camviz.cli.{name}").add_parser(subparsers)
     return parser
@@ -41,7 +48,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except CamvizError as error:
-        print(f"camviz: error: {error}", file=sys.stderr)
+        print(f"camviz: error: {printable(str(error))}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # The reader went away (`camviz methods | head`): stop quietly, as other tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as error:
+        where = f": {error.filename}" if error.filename else ""
+        message = f"{error.strerror or first_line(error)}{where}"
+        print(f"camviz: error: {printable(message)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("camviz: interrupted", file=sys.stderr)

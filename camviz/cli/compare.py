@@ -38,17 +38,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from camviz import cams
     from camviz.cli.options import load_model
+    from camviz.cli.text import printable
     from camviz.core.errors import CamvizError
     from camviz.evaluation.report import compare, write_report
+    from camviz.pipeline.job import check_out_dir
 
-    methods = cams.names() if args.methods == "all" else _split(args.methods)
+    methods = [] if args.methods == "all" else _split(args.methods)
     for method in methods:
         cams.get(method)  # an unknown name fails before the model loads
     if args.steps < 1 or args.batch_size < 1:
         raise CamvizError("--steps and --batch-size must be positive integers")
+    check_out_dir(Path(args.out))  # before minutes of work, not after
     loaded = load_model(args)
+    if args.methods == "all":
+        methods = cams.names(loaded.model)  # those that apply to this model
     comparison = compare(
         args.images,
         loaded,
@@ -56,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         layer=args.layer,
         steps=args.steps,
         batch_size=args.batch_size,
-        progress=lambda line: print(line, file=sys.stderr),
+        progress=lambda line: print(printable(line), file=sys.stderr),
+        bar=None,
     )
     written = write_report(comparison, args.out)
     print("| method | deletion AUC | insertion AUC | average drop % | win rate % | ms / image |")
@@ -66,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             f"| {row['method']} | {row['deletion_auc']:.3f} | {row['insertion_auc']:.3f} | "
             f"{row['average_drop']:.1f} | {row['win_rate']:.1f} | {row['ms_per_image']:.0f} |"
         )
-    print(f"wrote {written['report']}, {written['metrics']} and {written['summary']}")
+    print(printable(f"wrote {written['report']}, {written['metrics']} and {written['summary']}"))
     return 0
 
 

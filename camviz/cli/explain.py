@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from camviz.cli.options import add_model_options
+from camviz.cli.text import printable
+
+if TYPE_CHECKING:
+    import torch
 
 # Skipped inputs listed on stderr; the manifest has them all.
 _LISTED_FAILURES = 10
@@ -19,8 +24,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Write, per image, a heatmap overlay at the photo's size and a panel "
         "(image | heatmap | overlay), one row per image in manifest.jsonl and a summary in "
         "manifest.json. Unreadable inputs are skipped and listed. Running again with the same "
-        "--out resumes. Under torchrun (torchrun --nproc_per_node=N -m camviz explain ...) "
-        "the processes share the inputs.",
+        "--out resumes; one run at a time may use an output folder, and the files camviz "
+        "wrote are never taken as inputs. Under torchrun (torchrun --nproc_per_node=N -m "
+        "camviz explain ...) the processes share the inputs.",
     )
     parser.add_argument(
         "inputs",
@@ -43,9 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="explain why each input looks like IMAGE to an embedding model (the cosine "
         "similarity of their outputs) instead of a class; --target is then ignored",
     )
-    parser.add_argument(
-        "--method", default="gradcam", help="CAM method (see `camviz methods`; default gradcam)"
-    )
+    parser.add_argument("--method", default="gradcam", help="CAM method (see `camviz methods`)")
     parser.add_argument("--out", default="camviz-out", metavar="DIR", help="output folder")
     parser.add_argument(
         "--alpha", type=float, default=0.5, help="heatmap weight in the overlay, 0..1"
@@ -85,7 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--device",
         default=None,
-        help="where the model runs (cpu, cuda, cuda:1); default: this process's GPU if any",
+        help="where the model runs (cpu, cuda, cuda:1); by default this process's GPU if any",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
@@ -109,10 +113,7 @@ def _not_negative(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from camviz.cli.options import load_model
-    from camviz.core.errors import CamvizError
     from camviz.io.render import check_render_options
     from camviz.pipeline import distributed
     from camviz.pipeline.job import Outputs, RenderOptions, explain_files
@@ -121,10 +122,7 @@ def run(args: argparse.Namespace) -> int:
     outputs = Outputs(overlay=args.overlay, panel=args.panel, heatmap=args.heatmap)
     target = int(args.target) if args.target.lstrip("-").isdigit() else args.target
     context = distributed.from_environment()
-    try:
-        device = torch.device(args.device) if args.device else distributed.device(context)
-    except RuntimeError:
-        raise CamvizError(f"unknown device {args.device!r}; use cpu, cuda or cuda:N") from None
+    device = _device(args.device) if args.device else distributed.device(context)
     loaded = load_model(args)
     loaded.model.to(device)
     if args.similar_to is not None:
@@ -157,21 +155,65 @@ def _similarity(path: str, loaded: object) -> object:
     return Similarity(reference.unsqueeze(0), name=os.path.basename(path))
 
 
+# Device types that hold data a model can run on (``meta`` holds none).
+_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+
+
+def _device(name: str) -> torch.device:
+    """The device ``--device`` names, checked to exist here; else one line saying so."""
+    import torch
+
+    from camviz.core.errors import CamvizError, first_line
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise CamvizError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
+    if device.type not in _DEVICE_TYPES:
+        raise CamvizError(
+            f"camviz cannot run a model on the {device.type!r} device; use cpu, cuda or cuda:N"
+        )
+    try:
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as error:
+        raise CamvizError(
+            f"device {name!r} is not available here ({first_line(error)}); use --device cpu, "
+            "or leave --device out to use a GPU when there is one"
+        ) from None
+    return device
+
+
 def _report(manifest: dict, out: str) -> None:
     """Skipped inputs on stderr (the first few), one summary line on stdout."""
-    failed = [row for row in manifest["images"] if row["status"] != "ok"]
+    failed = manifest["failures"]
     for row in failed[:_LISTED_FAILURES]:
         frame = "" if row["frame"] is None else f" frame {row['frame']}"
-        print(f"camviz: skipped {row['input']}{frame}: {row['reason']}", file=sys.stderr)
+        _warn(f"skipped {row['input']}{frame}: {row['reason']}")
+    rows = os.path.join(out, "manifest.jsonl")
     if len(failed) > _LISTED_FAILURES:
-        print(
-            f"camviz: ... and {len(failed) - _LISTED_FAILURES} more skipped; see "
-            f"{os.path.join(out, 'manifest.jsonl')}",
-            file=sys.stderr,
+        _warn(f"... and {len(failed) - _LISTED_FAILURES} more skipped; see {rows}")
+    others = manifest["other_files"]
+    if others:
+        _warn(
+            f"{len(others)} file(s) in {out} belong to no input of this run (an earlier run's); "
+            "manifest.json lists them under other_files"
         )
     counts = manifest["counts"]
-    videos = "".join(f", {video['file']}" for video in manifest["videos"])
-    print(
-        f"explained {counts['ok']} of {counts['ok'] + counts['error']} inputs -> "
-        f"{os.path.join(out, 'manifest.json')}{videos}"
+    total, done = counts["ok"] + counts["error"], counts["already_done"]
+    where = os.path.join(out, "manifest.json") + "".join(
+        f", {video['file']}" for video in manifest["videos"]
     )
+    if done == total:
+        summary = f"all {total} inputs were already done -> {where}"
+    elif done:
+        summary = (
+            f"explained {counts['ok'] - done} of the {total - done} inputs left "
+            f"({done} were already done) -> {where}"
+        )
+    else:
+        summary = f"explained {counts['ok']} of {total} inputs -> {where}"
+    print(printable(summary))
+
+
+def _warn(line: str) -> None:
+    print(f"camviz: {printable(line)}", file=sys.stderr)

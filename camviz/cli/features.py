@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from camviz.cli.options import add_model_options
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -42,6 +46,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--colormap", default=None, help="matplotlib colour map for the grid (default grey)"
     )
+    parser.add_argument(
+        "--tile",
+        type=int,
+        default=64,
+        metavar="PX",
+        help="enlarge small channels (nearest neighbour, by a whole factor) until the short "
+        "side of each tile in the grid is at least PX pixels; 1 keeps them as they are",
+    )
     parser.set_defaults(run=run)
 
 
@@ -50,11 +62,14 @@ def run(args: argparse.Namespace) -> int:
 
     from camviz.cams.layout import as_spatial, patch_size
     from camviz.cli.options import load_model
+    from camviz.core.errors import CamvizError
     from camviz.core.layerkinds import module_kind
     from camviz.debug.extraction import features
     from camviz.io.images import load_image
     from camviz.io.render import channel_figure, channel_grid, save
 
+    if args.tile < 1:
+        raise CamvizError(f"--tile must be at least 1 pixel, not {args.tile}")
     image = load_image(args.image)
     loaded = load_model(args)
     inputs = loaded.preprocess(image).unsqueeze(0)
@@ -72,9 +87,25 @@ def run(args: argparse.Namespace) -> int:
         grid = out / f"{name}_grid.png"
         figure = out / f"{name}_figure.png"
         channel_grid(
-            activations, grid, channels=args.channels, order=args.order, colormap=args.colormap
+            _enlarged(activations, args.tile),
+            grid,
+            channels=args.channels,
+            order=args.order,
+            colormap=args.colormap,
         )
         drawn = channel_figure(activations, name, channels=args.channels or 16, order=args.order)
         save(drawn, figure)
         print(f"{name}: {tuple(activations.shape[1:])} -> {grid}, {figure}")
     return 0
+
+
+def _enlarged(activations: torch.Tensor, tile: int) -> torch.Tensor:
+    """``(1, C, h, w)`` maps repeated by a whole factor so that ``min(h, w) >= tile``.
+
+    Each value becomes a square block, so the tile shows the map as it is (no smoothing),
+    and means, hence ``--order strongest``, are unchanged.
+    """
+    factor = -(-tile // min(activations.shape[-2:]))  # ceiling division
+    if factor <= 1:
+        return activations
+    return activations.repeat_interleave(factor, dim=-2).repeat_interleave(factor, dim=-1)

@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from camviz.cli.options import add_model_options
+
+if TYPE_CHECKING:
+    import torch
+
+#: The largest ``--size`` accepted: a 2048 x 2048 input already needs gigabytes of
+#: activations in a large model; larger ones only exhaust memory.
+MAX_SIZE = 2048
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -12,25 +20,62 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "layers",
         help="list a model's layers with output shapes",
         description="Print every layer name (usable as --layer) with its type and output "
-        "shape for one input of --size pixels.",
+        "shape for one input of --size pixels, in call order; the layer used when --layer "
+        "is not given is marked.",
     )
     add_model_options(parser)
     parser.add_argument(
-        "--size", type=int, default=224, help="side of the square dummy input (default 224)"
+        "--size",
+        type=_size,
+        default=224,
+        metavar="N",
+        help=f"side of the square dummy input, 1 to {MAX_SIZE} pixels",
     )
     parser.set_defaults(run=run)
+
+
+def _size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_SIZE} pixels")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from camviz.cli.options import load_model
+    from camviz.cli.text import aligned
+    from camviz.core.errors import CamvizError, first_line
     from camviz.core.layers import layer_shapes
 
     loaded = load_model(args)
     inputs = torch.zeros(1, 3, args.size, args.size)
-    rows = layer_shapes(loaded.model, inputs)
-    width = max(len(name) for name, _, _ in rows)
-    for name, kind, shape in rows:
-        print(f"{name:<{width}}  {kind:<20}  {tuple(shape)}")
+    try:
+        rows = layer_shapes(loaded.model, inputs)
+        default = loaded.default_layer or _found_layer(loaded.model, inputs)
+    except (RuntimeError, ValueError) as error:
+        raise CamvizError(
+            f"the model does not take a {args.size}x{args.size} input ({first_line(error)}); "
+            "pass a --size it accepts (224 for most models)"
+        ) from None
+    marked = [
+        [name, kind, str(tuple(shape)), "<- default target layer" if name == default else ""]
+        for name, kind, shape in rows
+    ]
+    print(aligned(["layer", "type", "output shape", ""], marked))
     return 0
+
+
+def _found_layer(model: torch.nn.Module, inputs: torch.Tensor) -> str | None:
+    """The layer explain picks by itself, or None when the model has no spatial layer."""
+    from camviz.core.errors import CamvizError
+    from camviz.core.layers import default_target_layer
+
+    try:
+        return default_target_layer(model, inputs)
+    except CamvizError:
+        return None

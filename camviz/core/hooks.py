@@ -105,7 +105,10 @@ class Capture:
         inputs: ``{layer name: first positional input}`` (the whole tuple when the layer
             takes several positional inputs).
         gradients: ``{layer name: d(backpropagated quantity)/d(output)}``; filled only when
-            ``gradients=True`` and a backward pass reaches the layer.
+            ``gradients=True`` and a backward pass reaches the layer. A layer that returns
+            several tensors (a tuple) gets a list with one gradient per output tensor, in
+            order, ``None`` for an output that backward did not reach; the same in both
+            ``backward`` modes.
         layers: The resolved layer names, in the order given.
     """
 
@@ -174,15 +177,17 @@ def capture(
     def on_output(name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         record.activations.put(name, detach_to(output, device))
         if gradients and backward == "tensor":
-            for tensor in tensors_in(output):
+            outputs = list(tensors_in(output))
+            collect = _OutputGradients(record.gradients, name, len(outputs), device)
+            for index, tensor in enumerate(outputs):
                 if tensor.requires_grad:
-                    tensor.register_hook(partial(on_gradient, name))
-
-    def on_gradient(name: str, gradient: torch.Tensor) -> None:
-        record.gradients.put(name, detach_to(gradient, device))
+                    tensor.register_hook(partial(collect, index))
 
     def on_full_backward(name: str, module: nn.Module, grad_input: Any, grad_output: Any) -> None:
-        on_gradient(name, grad_output[0] if len(grad_output) == 1 else grad_output)
+        collect = _OutputGradients(record.gradients, name, len(grad_output), device)
+        for index, gradient in enumerate(grad_output):
+            if gradient is not None:
+                collect(index, gradient)
 
     with HookSet() as hooks, _explain_inplace_error():
         for name, module in modules.items():
@@ -192,6 +197,32 @@ def capture(
             if gradients and backward == "full":
                 hooks.add(module.register_full_backward_hook(partial(on_full_backward, name)))
         yield record
+
+
+class _OutputGradients:
+    """Records the gradients of one call's outputs: the tensor for a layer with one output,
+    else a list with one entry per output tensor (``None`` where backward did not reach it).
+
+    Tensor hooks fire one output at a time, so the list is recorded when the first gradient
+    of a backward pass arrives and filled in as the others do; a gradient for a slot that is
+    already filled starts the list of the next backward pass.
+    """
+
+    def __init__(
+        self, record: Record, name: str, count: int, device: torch.device | str | None
+    ) -> None:
+        self.record, self.name, self.count, self.device = record, name, count, device
+        self.current: list[torch.Tensor | None] | None = None
+
+    def __call__(self, index: int, gradient: torch.Tensor) -> None:
+        gradient = detach_to(gradient, self.device)
+        if self.count == 1:
+            self.record.put(self.name, gradient)
+            return
+        if self.current is None or self.current[index] is not None:
+            self.current = [None] * self.count
+            self.record.put(self.name, self.current)
+        self.current[index] = gradient
 
 
 EditFn = Callable[[torch.Tensor], torch.Tensor]

@@ -94,11 +94,8 @@ def _unknown_layer_message(name: str, candidates: Sequence[str]) -> str:
         # Fall back to names that share the last component ("conv1" -> "layer1.0.conv1").
         tail = name.rsplit(".", 1)[-1]
         close = [candidate for candidate in candidates if candidate.endswith(tail)][:5]
-    hint = (
-        f"did you mean {', '.join(repr(c) for c in close)}?"
-        if close
-        else ("run `camviz layers --model NAME` to list the layers")
-    )
+    listing = "`camviz layers --model NAME` lists them all"
+    hint = f"did you mean {', '.join(repr(c) for c in close)}? {listing}" if close else listing
     return f"no layer named {name!r} in the model; {hint}"
 
 

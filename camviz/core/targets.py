@@ -8,9 +8,10 @@ A *target* turns the model's output into one score per sample (and per rank, for
 * a sequence or 1-D tensor of ints - one class per sample (as many as the batch);
 * an ``(N, K)`` tensor of ints - K given classes per sample, one map per rank;
 * :class:`Region` - a class's logits summed over a region of a segmentation output;
-* :class:`Contrast` - ``y_a - y_b``: why class ``a`` rather than class ``b``;
+* :class:`Contrast` - ``y_a - alpha * y_b``: why class ``a`` rather than class ``b`` (or the
+  mean of several classes ``b``, or the classes :class:`Nearest` to ``a``);
 * a callable ``output -> (N,)`` scores - anything else (a detection score, a regression
-  output).
+  output), or a :class:`RowTarget` ``(output, rows) -> (R,)`` scores (below).
 
 Scores are logits (pre-softmax), as in the Grad-CAM paper: softmax couples the classes, and
 its gradient vanishes for confident predictions.
@@ -19,26 +20,51 @@ Model outputs that are not a plain tensor (tuples, dicts, Hugging Face outputs w
 ``.logits``) are reduced to one by :func:`as_logits`, the one adapter every target goes
 through; ``output_key=`` says where the scores are when that is ambiguous.
 
-Perturbation methods (Score-CAM, Ablation-CAM) score batches of perturbed copies: each score
-function takes ``(output, samples)`` where ``samples[r]`` is the input that output row ``r``
-was made from. A user callable is called as ``fn(output)`` on such batches too, so it must
-score each row on its own (``lambda out: out[:, 3]``); per-sample data belongs in a
-:class:`Region` or a class-id target.
+Rows of re-run outputs. Perturbation methods (Score-CAM, Ablation-CAM) and the faithfulness
+metrics run the model again on batches of perturbed copies, in chunks whose rows come from
+any of the ``N`` inputs, in any number. Every score function therefore takes
+``(output, rows)``, ``rows`` being the ``(R,)`` long tensor of the input index of each of
+the ``R`` output rows (``None`` for the plain batch, where row ``n`` is input ``n``). A user
+callable joins in by taking a second positional argument (:class:`RowTarget`): it is called
+as ``fn(output, rows)`` on every output, the plain batch included (``rows = arange(N)``),
+so it can score row ``r`` for input ``rows[r]``::
+
+    ids = torch.tensor([3, 7])                              # one class per input
+    target = lambda out, rows: out[torch.arange(len(rows)), ids[rows]]
+
+A one-argument callable ``fn(output)`` must score each row on its own (``lambda out:
+out[:, 3]``); on re-run batches camviz checks that (the rows' scores must not depend on
+their position) and raises a :class:`CamvizError` that points here when they do.
+:func:`call_target` is the one place that calls a user callable.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import torch
 
-from camviz.core.errors import CamvizError
+from camviz.core.errors import CamvizError, first_line
+from camviz.core.hooks import tensors_in
 
 ScoreFn = Callable[..., torch.Tensor]
-"""``fn(output, samples=None) -> (R,)`` scores of the ``R`` rows of a model output."""
+"""``fn(output, rows=None) -> (R,)`` scores of the ``R`` rows of a model output."""
+
+
+class RowTarget(Protocol):
+    """A target that is told which input each output row belongs to (see the module doc).
+
+    Any callable with a second positional parameter is one; camviz calls it as
+    ``target(output, rows)`` with ``rows`` the ``(R,)`` long tensor of the input index of
+    each output row, and expects ``(R,)`` scores. Per-input data (classes, reference
+    embeddings, boxes) is indexed with ``rows``, so it stays right in perturbed batches.
+    """
+
+    def __call__(self, output: Any, rows: torch.Tensor, /) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -67,21 +93,132 @@ class Region:
 
 
 @dataclass(frozen=True)
-class Contrast:
-    """Why class ``a`` rather than class ``b``: the score ``y_a - y_b``.
+class Nearest:
+    """The ``k`` classes whose scores are closest to the explained class's, as ``Contrast.b``.
 
-    The map shows the evidence for ``a`` that is not evidence for ``b`` (Grad-CAM's
-    counterfactual use, Selvaraju et al. 2017, Sec. 5). ``a`` and ``b`` are class ids, or one
-    id per sample each.
+    Found per sample from the forward pass: ``|y_j - y_a|`` smallest over ``j != a`` (the
+    reference classes of Finer-CAM, Zhang et al. 2025).
     """
 
-    a: int | Sequence[int] | torch.Tensor
-    b: int | Sequence[int] | torch.Tensor
+    k: int = 1
+
+
+@dataclass(frozen=True)
+class Contrast:
+    """Why class ``a`` rather than class ``b``: the score ``y_a - alpha * mean_t y_{b_t}``.
+
+    The map shows the evidence for ``a`` that is not evidence for ``b`` (Grad-CAM's
+    counterfactual use, Selvaraju et al. 2017, Sec. 5). ``a`` is a class id, one id per
+    sample, or ``None`` for each sample's top class. ``b`` is a class id, one id per sample,
+    ``T`` ids per sample (an ``(N, T)`` tensor or list of lists: their scores are averaged),
+    or :class:`Nearest` for the ``k`` classes scored closest to ``a``. ``alpha`` scales the
+    reference (Finer-CAM's comparison strength; ``1`` is the plain difference).
+    """
+
+    a: int | Sequence[int] | torch.Tensor | None
+    b: int | Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | Nearest
+    alpha: float = 1.0
 
 
 Target: TypeAlias = (
-    int | str | Sequence[int] | torch.Tensor | TopK | Region | Contrast | ScoreFn | None
+    int
+    | str
+    | Sequence[int]
+    | Sequence[Sequence[int]]
+    | torch.Tensor
+    | TopK
+    | Region
+    | Contrast
+    | ScoreFn
+    | None
 )
+
+
+def takes_rows(fn: Callable[..., Any]) -> bool:
+    """Whether a callable target takes a second positional argument (a :class:`RowTarget`)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins have no signature: called as fn(output)
+        return False
+    kinds = [parameter.kind for parameter in parameters]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return inspect.Parameter.VAR_POSITIONAL in kinds or sum(k in positional for k in kinds) >= 2
+
+
+def call_target(
+    fn: Callable[..., torch.Tensor], output: Any, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The scores of a user's callable target for the rows of ``output``.
+
+    Args:
+        fn: ``fn(output)`` or a :class:`RowTarget` ``fn(output, rows)``.
+        output: A model output with ``R`` rows.
+        rows: ``(R,)`` input index of each row; ``None`` when row ``n`` is input ``n``.
+
+    Returns:
+        What ``fn`` returns (callers check its shape).
+
+    Raises:
+        CamvizError: A one-argument ``fn`` scores a row differently depending on its
+            position in a re-run batch (it holds per-input data), so it would score the
+            wrong rows; it must take ``rows``.
+    """
+    if takes_rows(fn):
+        if rows is None:
+            first = next(tensors_in(output), getattr(output, "logits", None))
+            if not isinstance(first, torch.Tensor) or first.dim() == 0:
+                raise CamvizError(
+                    "a target that takes rows needs a model output with one row per input"
+                )
+            rows = torch.arange(first.shape[0], device=first.device)
+        return fn(output, rows)
+    if rows is None:
+        return fn(output)
+    try:
+        scores = fn(output)
+    except (IndexError, RuntimeError, ValueError) as error:
+        raise CamvizError(
+            f"the target callable fails on a re-run batch of {len(rows)} rows "
+            f"({first_line(error)}); {_TAKE_ROWS}"
+        ) from error
+    if len(rows) < 2 or not _is_row_vector(scores, len(rows)):
+        return scores
+    # Row r of the rolled batch is row r - 1: a row-wise fn gives the rolled scores.
+    rolled = torch.arange(len(rows), device=rows.device).roll(1)
+    moved = fn(take_rows(output, rolled))
+    if not _is_row_vector(moved, len(rows)) or not torch.allclose(
+        moved, scores[rolled.to(scores.device)], rtol=1e-4, atol=1e-6, equal_nan=True
+    ):
+        raise CamvizError(
+            "the target callable scores a row differently depending on its position in the "
+            f"batch; {_TAKE_ROWS}"
+        )
+    return scores
+
+
+_TAKE_ROWS = (
+    "re-run batches hold rows of any input in any number, so a target callable must score "
+    "each row on its own (lambda out: out[:, 3]) or take the rows, fn(output, rows), rows[r] "
+    "being the input of row r (see camviz.core.targets)"
+)
+
+
+def _is_row_vector(scores: Any, count: int) -> bool:
+    return isinstance(scores, torch.Tensor) and scores.shape == (count,)
+
+
+def take_rows(output: Any, rows: torch.Tensor) -> Any:
+    """The rows ``rows`` of every tensor in a model output (tensor, tuple, list or dict)."""
+    if isinstance(output, torch.Tensor):
+        return output[rows.to(output.device)]
+    if isinstance(output, (tuple, list)):
+        return type(output)(take_rows(item, rows) for item in output)
+    if isinstance(output, Mapping):
+        return {key: take_rows(item, rows) for key, item in output.items()}
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return {"logits": logits[rows.to(logits.device)]}
+    return output
 
 
 def as_logits(output: Any, output_key: str | int | None = None) -> torch.Tensor:
@@ -155,6 +292,8 @@ def class_ids(target: Target, logits: torch.Tensor) -> torch.Tensor:
         if not 1 <= target.k <= num_classes:
             raise CamvizError(f"top-k needs 1 <= k <= {num_classes}, got k={target.k}")
         return logits.detach().topk(target.k, dim=-1).indices
+    if _holds_bool(target):  # torch.as_tensor([0, True]) would read True as class 1
+        raise CamvizError(f"a target must be class ids (ints), not {target!r} (it holds a bool)")
     try:
         ids = torch.as_tensor(target, device=logits.device)
     except (TypeError, ValueError, RuntimeError):
@@ -175,6 +314,13 @@ def class_ids(target: Target, logits: torch.Tensor) -> torch.Tensor:
             f"(0..{num_classes - 1})"
         )
     return ids.long().view(batch, -1)
+
+
+def _holds_bool(target: Any) -> bool:
+    """Whether a target given as Python values is, or holds, a bool (numpy's too)."""
+    if isinstance(target, (list, tuple)):
+        return any(_holds_bool(item) for item in target)
+    return isinstance(target, bool) or type(target).__name__ == "bool_"
 
 
 def _parse_top(text: str) -> TopK:
@@ -210,17 +356,21 @@ def score_fns(
         return [_region_score(target, logits, output_key)], ids
     if isinstance(target, Contrast):
         logits = _class_scores(output, output_key)
-        first, second = class_ids(target.a, logits), class_ids(target.b, logits)
-        if first.shape[1] != 1 or second.shape[1] != 1:
-            raise CamvizError("Contrast(a, b) takes one class (or one per sample) for a and b")
+        first = class_ids(target.a, logits)
+        if first.shape[1] != 1:
+            raise CamvizError("Contrast(a, b) takes one class (or one per sample) for a")
+        if isinstance(target.b, Nearest):
+            second = nearest_classes(logits, first[:, 0], target.b.k)
+        else:
+            second = class_ids(target.b, logits)
         if bool((first == second).any()):
-            raise CamvizError("Contrast(a, b) needs two different classes; got a == b")
+            raise CamvizError("Contrast(a, b) needs two different classes; got a class in both")
         contrast = _Difference(
-            _ClassScore(first[:, 0], output_key), _ClassScore(second[:, 0], output_key)
+            _ClassScore(first[:, 0], output_key), _ClassScore(second, output_key), target.alpha
         )
         return [contrast], first
     if callable(target) and not isinstance(target, (torch.Tensor, TopK)):
-        return [_RowWise(target)], None
+        return [_UserTarget(target)], None
     if target is None and as_logits(output, output_key).dim() == 1:
         return [_Scalar(output_key)], None  # one number per sample: explained as it is
     logits = _class_scores(output, output_key)
@@ -228,6 +378,22 @@ def score_fns(
         _refuse_embedding(logits)
     ids = class_ids(target, logits)
     return [_ClassScore(ids[:, rank], output_key) for rank in range(ids.shape[1])], ids
+
+
+def nearest_classes(logits: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """``(N, k)``: for each sample, the ``k`` classes other than ``ids`` whose logits are
+    closest to the logit of ``ids``, closest first.
+
+    Raises:
+        CamvizError: ``k`` is not between 1 and the number of other classes.
+    """
+    others = logits.shape[-1] - 1
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= others:
+        raise CamvizError(f"Nearest(k) needs 1 <= k <= {others} (the other classes), got {k!r}")
+    scores = logits.detach()
+    distance = (scores - scores.gather(-1, ids.view(-1, 1))).abs()
+    distance.scatter_(-1, ids.view(-1, 1), torch.inf)
+    return distance.topk(k, dim=-1, largest=False).indices
 
 
 def _class_scores(output: Any, output_key: str | int | None) -> torch.Tensor:
@@ -243,14 +409,15 @@ def _class_scores(output: Any, output_key: str | int | None) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class _ClassScore:
-    """The logit of one given class per sample."""
+    """The logit of one given class per sample, or the mean logit of ``(N, T)`` classes."""
 
     ids: torch.Tensor
     output_key: str | int | None
 
     def __call__(self, output: Any, samples: torch.Tensor | None = None) -> torch.Tensor:
         ids = self.ids if samples is None else self.ids[samples]
-        return as_logits(output, self.output_key).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        ids = ids.unsqueeze(-1) if ids.dim() == 1 else ids  # view(N, -1) fails for N = 0
+        return as_logits(output, self.output_key).gather(-1, ids).mean(dim=-1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -279,13 +446,14 @@ def _refuse_embedding(logits: torch.Tensor) -> None:
 
 @dataclass(frozen=True, eq=False)
 class _Difference:
-    """``first - second``."""
+    """``first - weight * second``."""
 
     first: ScoreFn
     second: ScoreFn
+    weight: float = 1.0
 
     def __call__(self, output: Any, samples: torch.Tensor | None = None) -> torch.Tensor:
-        return self.first(output, samples) - self.second(output, samples)
+        return self.first(output, samples) - self.weight * self.second(output, samples)
 
 
 @dataclass(frozen=True, eq=False)
@@ -303,13 +471,13 @@ class _RegionScore:
 
 
 @dataclass(frozen=True, eq=False)
-class _RowWise:
-    """A user's ``fn(output)``, which must score each output row on its own."""
+class _UserTarget:
+    """A user's callable, called through :func:`call_target`."""
 
-    fn: Callable[[Any], torch.Tensor]
+    fn: Callable[..., torch.Tensor]
 
     def __call__(self, output: Any, samples: torch.Tensor | None = None) -> torch.Tensor:
-        return self.fn(output)
+        return call_target(self.fn, output, samples)
 
 
 def _region_score(

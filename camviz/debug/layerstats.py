@@ -303,6 +303,7 @@ class NonFiniteReport:
             f"({row.nans} NaN, {row.infs} Inf of {math.prod(row.shape)} values)"
         )
         if not self.input_was_finite:
+            assert self.input is not None  # an input that is not finite was recorded
             source = (
                 f"code that runs between {self.previous!r} and it (a functional call in a "
                 "parent's forward, such as torch.log or a division)"

@@ -148,7 +148,7 @@ class GradientMonitor:
         self._params = (
             {name: p for name, p in model.named_parameters() if p.requires_grad} if params else {}
         )
-        series = [("layer", name) for name in self._layers]
+        series: list[tuple[Source, str]] = [("layer", name) for name in self._layers]
         series += [("param", name) for name in self._params]
         self._columns: dict[tuple[Source, str], int] = {key: i for i, key in enumerate(series)}
         self._norms = torch.full((history, len(self._columns)), math.nan)
@@ -354,7 +354,11 @@ class GradientMonitor:
         from matplotlib.ticker import MaxNLocator
 
         history = self.history
-        series = {"layer": history.layers, "param": history.params, "tensor": history.tensors}
+        series: dict[Source, dict[str, torch.Tensor]] = {
+            "layer": history.layers,
+            "param": history.params,
+            "tensor": history.tensors,
+        }
         if sources is None:
             sources = [source for source, named in series.items() if named] or ["layer"]
         unknown = [source for source in sources if source not in series]

@@ -2,8 +2,10 @@
 
 * :func:`pointing_game` (Zhang, Bargal, Lin, Brandt, Shen and Sclaroff, "Top-down Neural
   Attention by Excitation Backprop", ECCV 2016): a map *hits* when its maximum lies inside
-  the object's region, or within ``tolerance`` pixels of it (the paper uses 15 pixels at
-  ImageNet size, to forgive annotations that are a little tight).
+  the object's region, or less than ``tolerance`` pixels from it. The paper (and TorchRay,
+  its authors' benchmark code) forgives 15 pixels at ImageNet size, 224 x 224, for
+  annotations that are a little tight; camviz defaults to that, scaled with the map's short
+  side. ``tolerance=0`` asks for the maximum inside the region.
 * :func:`energy_pointing_game` (Wang et al., "Score-CAM: Score-Weighted Visual Explanations
   for Convolutional Neural Networks", CVPR Workshops 2020): the share of the map's total
   mass that falls inside the region; it rewards a map that is both on the object and
@@ -22,6 +24,9 @@ import torch
 
 from camviz.core.errors import CamvizError
 
+#: The pointing game's tolerance in the paper: 15 pixels on 224 x 224 images.
+PAPER_TOLERANCE, PAPER_SIZE = 15.0, 224
+
 
 def box_masks(boxes: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """``(N, height, width)`` boolean masks of ``(N, 4)`` boxes ``(x0, y0, x1, y1)``."""
@@ -37,26 +42,31 @@ def box_masks(boxes: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 
 def pointing_game(
-    heatmaps: torch.Tensor, regions: torch.Tensor, *, tolerance: float = 0.0
+    heatmaps: torch.Tensor, regions: torch.Tensor, *, tolerance: float | None = None
 ) -> torch.Tensor:
     """Whether each map's maximum points at its region.
 
     The maximum is the first one in raster order when several pixels share it; a constant
-    map points nowhere and misses.
+    map points nowhere and misses. Give the maps at the image's resolution (as
+    :attr:`camviz.Explanation.heatmaps` are), so that the tolerance is in image pixels.
 
     Args:
         heatmaps: ``(N, H, W)`` maps.
         regions: ``(N, 4)`` boxes ``(x0, y0, x1, y1)`` or ``(N, H, W)`` boolean masks.
-        tolerance: A maximum at most this many pixels (Euclidean distance between pixel
-            centres) from the region still hits; the paper uses 15 at 224 x 224.
+        tolerance: A maximum less than this many pixels (Euclidean distance between pixel
+            centres) from the region still hits; one inside it always hits. ``None``: the
+            paper's 15 pixels at 224 x 224, scaled with the short side,
+            ``15 * min(H, W) / 224`` (about 4.3 at 64 x 64). ``0``: inside only.
 
     Returns:
         ``(N,)`` booleans; their mean is the pointing-game accuracy.
     """
     maps, masks = _checked(heatmaps, regions)
-    if tolerance < 0:
-        raise CamvizError(f"tolerance must be >= 0 pixels, got {tolerance}")
     height, width = maps.shape[-2:]
+    if tolerance is None:
+        tolerance = PAPER_TOLERANCE * min(height, width) / PAPER_SIZE
+    if not tolerance >= 0:
+        raise CamvizError(f"tolerance must be >= 0 pixels, got {tolerance}")
     flat = maps.flatten(1)
     peak = flat.argmax(dim=1)
     peak_row, peak_col = peak // width, peak % width
@@ -66,7 +76,7 @@ def pointing_game(
     unreachable = height**2 + width**2 + 1
     nearest = torch.where(masks, distance_squared, unreachable).flatten(1).amin(dim=1)
     has_peak = flat.amax(dim=1) > flat.amin(dim=1)
-    return has_peak & (nearest <= tolerance**2)
+    return has_peak & ((nearest == 0) | (nearest < tolerance**2))
 
 
 def energy_pointing_game(heatmaps: torch.Tensor, regions: torch.Tensor) -> torch.Tensor:

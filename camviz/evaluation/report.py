@@ -11,6 +11,14 @@ increase in confidence, win rate). :func:`write_report` writes the numbers to a 
   plain JavaScript, and a Content-Security-Policy forbids anything else, so the page opens
   from disk, with no server, and loads nothing from the network.
 * ``metrics.csv`` - one row per image and method; ``summary.csv`` - one row per method.
+  A text cell that a spreadsheet would run as a formula (one starting with ``=``, ``+``,
+  ``-``, ``@``, a tab or a carriage return: an image named ``=cmd|...``) is written with a
+  ``'`` in front, as OWASP's advice on CSV injection says.
+
+Images are named by their path relative to the folder they share (``a/x.png`` and
+``b/x.png``, not twice ``x.png``). Each method is run once on the first image before
+anything is timed, so that no method's time holds the first call's warm-up (lazy
+initialisation of the backend, the allocator, the thread pool).
 
 Every file is written atomically.
 """
@@ -21,10 +29,13 @@ import base64
 import csv
 import html
 import io
+import os
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image
@@ -113,7 +124,7 @@ class Comparison:
                 for method in self.methods
             }
         )
-        rows = []
+        rows: list[dict[str, float | str]] = []
         for method in self.methods:
             cells = [cell for cell in self.cells if cell.method == method]
             rows.append(
@@ -140,6 +151,7 @@ def compare(
     batch_size: int = 16,
     thumbnail: int = 128,
     progress: Callable[[str], None] | None = None,
+    bar: bool | None = False,
 ) -> Comparison:
     """Explain every image with every method and measure each map.
 
@@ -152,6 +164,8 @@ def compare(
         batch_size: Perturbed images per forward pass.
         thumbnail: Width of the thumbnails, in pixels (smaller images keep their own).
         progress: Called with one line after each image and method, e.g. to print it.
+        bar: A progress bar on stderr over the metric work: ``True``, ``False``, or ``None``
+            (when stderr is a terminal).
 
     Returns:
         The :class:`Comparison`; write it with :func:`write_report`.
@@ -162,14 +176,24 @@ def compare(
         raise CamvizError("no method given; pass one or more CAM method names")
     names = [get(method).name for method in methods]
     images = [load_image(path) for path in paths]
+    labels = image_labels(paths)
     layer = layer if layer is not None else loaded.default_layer
     model = loaded.model
     cells, thumbnails = [], []
-    for path, image in zip(paths, images, strict=True):
+    measuring = _metrics_bar(len(paths), bar)
+    for image_index, (label, image) in enumerate(zip(labels, images, strict=True)):
         inputs = as_batch(loaded.preprocess(image), model)
         with torch.inference_mode():
             probabilities = as_logits(model(inputs)).softmax(dim=-1)[0]
+        if not bool(torch.isfinite(probabilities).all()):
+            raise CamvizError(
+                f"the model's output for {label} is not finite (NaN or Inf); check the "
+                "weights (`camviz inspect` names the first layer that makes a NaN)"
+            )
         class_id = int(probabilities.argmax())
+        if image_index == 0:
+            for name in names:  # warm-up, untimed (module docstring)
+                explain(model, inputs, name, layer, class_id)
         heatmaps, seconds = [], []
         for name in names:
             started = time.perf_counter()
@@ -178,19 +202,25 @@ def compare(
                 torch.cuda.synchronize(inputs.device)
             seconds.append(time.perf_counter() - started)
             if progress is not None:
-                progress(f"{Path(path).name}: {name} ({seconds[-1]:.2f} s)")
+                with measuring.external_write_mode(file=sys.stderr):  # the line above the bar
+                    progress(f"{label}: {name} ({seconds[-1]:.2f} s)")
         maps = torch.stack(heatmaps)
         batch = inputs.expand(len(names), -1, -1, -1)
-        options = {"target": class_id, "batch_size": batch_size}
-        deleted = deletion(model, batch, maps, steps=steps, **options)
-        inserted = insertion(model, batch, maps, steps=steps, **options)
-        confidences = confidence(model, batch, maps, **options)
+        measuring.set_description(f"{label}: deletion")
+        deleted = deletion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
+        measuring.update(1)
+        measuring.set_description(f"{label}: insertion")
+        inserted = insertion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
+        measuring.update(1)
+        measuring.set_description(f"{label}: confidence")
+        confidences = confidence(model, batch, maps, class_id, batch_size=batch_size)
+        measuring.update(1)
         small = _thumbnail(image, thumbnail)
         thumbnails.append(small)
         for index, name in enumerate(names):
             cells.append(
                 Cell(
-                    image=Path(path).name,
+                    image=label,
                     method=name,
                     class_id=class_id,
                     class_name=class_name(loaded.categories, class_id),
@@ -206,12 +236,36 @@ def compare(
                     overlay=overlay(small, maps[index]),
                 )
             )
+    measuring.close()
     return Comparison(
         model=loaded.name,
         methods=names,
-        images=[Path(path).name for path in paths],
+        images=labels,
         thumbnails=thumbnails,
         cells=cells,
+    )
+
+
+def image_labels(paths: Sequence[str | Path]) -> list[str]:
+    """How the report names each image: its path relative to the folder all of them share.
+
+    ``a/x.png`` and ``b/x.png`` stay apart; images in one folder are named by file name.
+    """
+    absolute = [os.path.abspath(path) for path in paths]
+    common = os.path.commonpath([os.path.dirname(path) for path in absolute])
+    return [Path(os.path.relpath(path, common)).as_posix() for path in absolute]
+
+
+def _metrics_bar(images: int, shown: bool | None) -> Any:
+    """A tqdm bar over the three metric steps (deletion, insertion, confidence) per image."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=3 * images,
+        unit="step",
+        file=sys.stderr,
+        disable=None if shown is None else not shown,
+        leave=False,
     )
 
 
@@ -436,9 +490,25 @@ def _write_csv(path: Path, rows: list[dict[str, float | int | str]]) -> None:
     with atomic_write(path, "w") as file:
         writer = csv.DictWriter(file, fieldnames=list(rows[0]), lineterminator="\n")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(
+            {key: spreadsheet_safe(value) for key, value in row.items()} for row in rows
+        )
 
 
-def _mean(values: object) -> float:
-    values = list(values)
-    return sum(values) / len(values)
+# First characters that make a spreadsheet read a cell as a formula (OWASP, CSV injection).
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_safe(value: float | int | str) -> float | int | str:
+    """A text cell that would start a formula, with ``'`` in front; other values as they are.
+
+    Numbers are written by the csv module as numbers (a negative one stays ``-0.5``).
+    """
+    if isinstance(value, str) and value.startswith(_FORMULA_STARTS):
+        return "'" + value
+    return value
+
+
+def _mean(values: Iterable[float]) -> float:
+    listed = list(values)
+    return sum(listed) / len(listed)

@@ -7,6 +7,14 @@ Their *cascading model-parameter randomisation* replaces the weights layer by la
 the output down, and compares the map after each step with the original one. A method whose
 maps stay alike after every layer is random is independent of the model, and is flagged.
 
+By default each stage is one layer: a module without submodules with its parameters, or one
+parameter that a parent module owns and uses itself (a ViT's ``pos_embed`` and
+``cls_token``, a ConvNeXt block's ``gamma``). The stages are ordered by where their
+parameters are first used in the forward pass, found by watching every torch call of one
+pass, so a parent's own parameters are randomised where they act (``pos_embed`` among the
+last, next to the patch embedding; ``gamma`` just before the block's own layers), not
+together with everything below the parent.
+
 :func:`cascading_randomization` works on a deep copy of the model: the user's model is
 never touched. Each parameter of a randomised layer is replaced by Gaussian noise with that
 tensor's own mean and standard deviation, so that activations keep their scale through a
@@ -21,18 +29,20 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from camviz.cams.base import CamMethod
 from camviz.cams.engine import explain
 from camviz.core.batch import as_batch
 from camviz.core.errors import CamvizError
+from camviz.core.hooks import tensors_in
 from camviz.core.layers import Layer, resolve_layers
-from camviz.core.modelstate import HookSet, eval_mode
+from camviz.core.modelstate import eval_mode
 from camviz.core.targets import Target, TopK
 
 Explainer = Callable[[nn.Module, torch.Tensor, Target], torch.Tensor]
@@ -46,7 +56,8 @@ class SanityReport:
     Attributes:
         method: The method's name.
         stages: Layers in the order they were randomised; stage ``k`` has layers
-            ``stages[0..k]`` random.
+            ``stages[0..k]`` random. A parent module's own parameter is named
+            ``"parent.parameter"`` (``"pos_embed"`` for the model's own).
         spearman: ``(S, N)`` rank correlation between each image's original map and its map
             at each stage.
         ssim: ``(S, N)`` structural similarity of the same pairs.
@@ -98,8 +109,9 @@ def cascading_randomization(
         layer: The CAM's target layer (``None``: the engine's default).
         target: What to explain. Top-1 and top-k are resolved once, on the trained model,
             so every stage explains the same classes.
-        stages: Layer names (wildcards allowed) to randomise, in this order; ``None`` takes
-            every layer that owns parameters, in reverse call order (output first).
+        stages: Layer names (wildcards allowed) to randomise, in this order, each with all
+            its parameters (its submodules' included); ``None`` takes one layer per stage,
+            output first (see the module docstring).
         seed: Seeds the random weights.
         threshold: Flag the method when the mean rank correlation with every stage random
             is at least this.
@@ -114,18 +126,18 @@ def cascading_randomization(
     inputs = as_batch(inputs, copied, single=False)
     original = explainer(copied, inputs, target)
     target = _fixed_target(target, copied, inputs)
-    modules = _stage_modules(copied, inputs, stages)
+    groups = _stages(copied, inputs, stages)
     parameter = next(copied.parameters())
     generator = torch.Generator(device=parameter.device).manual_seed(seed)
     correlations, similarities = [], []
-    for module in modules.values():
-        _randomize(module, generator)
+    for parameters in groups.values():
+        _randomize(parameters, generator)
         randomised = explainer(copied, inputs, target)
         correlations.append(spearman(original, randomised))
         similarities.append(ssim(original, randomised))
     return SanityReport(
         method=name,
-        stages=list(modules),
+        stages=list(groups),
         spearman=torch.stack(correlations),
         ssim=torch.stack(similarities),
         threshold=threshold,
@@ -240,36 +252,78 @@ def _fixed_target(target: Target, model: nn.Module, inputs: torch.Tensor) -> Tar
     return class_ids(target, logits).clone()
 
 
-def _stage_modules(
+def _stages(
     model: nn.Module, inputs: torch.Tensor, stages: Sequence[str] | None
-) -> dict[str, nn.Module]:
-    """The layers to randomise, in order: the given ones, or every parameter owner output first."""
+) -> dict[str, list[nn.Parameter]]:
+    """``{stage name: its parameters}`` in the order to randomise them.
+
+    The given layers with all their parameters; or one layer per stage (a module without
+    submodules, or one parameter a parent uses itself), latest first use first.
+    """
     if stages is not None:
-        return resolve_layers(model, stages)
-    owners = {
-        name: module
-        for name, module in model.named_modules()
-        if any(True for _ in module.parameters(recurse=False))
-    }
-    called: list[str] = []
+        return {
+            name: list(module.parameters())
+            for name, module in resolve_layers(model, stages).items()
+        }
+    first_use = _first_use(model, inputs)
+    positions: dict[str, int] = {}
+    groups: dict[str, list[nn.Parameter]] = {}
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        is_layer = bool(module_name) and next(module.children(), None) is None
+        for parameter_name, parameter in module.named_parameters(recurse=False):
+            if id(parameter) not in first_use or id(parameter) in seen:
+                continue  # unused in the forward pass, or shared and already placed
+            seen.add(id(parameter))
+            stage = module_name if is_layer else f"{module_name}.{parameter_name}".lstrip(".")
+            groups.setdefault(stage, []).append(parameter)
+            positions[stage] = min(
+                positions.get(stage, first_use[id(parameter)]), first_use[id(parameter)]
+            )
+    return {stage: groups[stage] for stage in sorted(groups, key=lambda stage: -positions[stage])}
 
-    def record(name: str, *_: object) -> None:
-        if name not in called:
-            called.append(name)
 
-    with HookSet() as hooks, eval_mode(model), torch.inference_mode():
-        for name, module in owners.items():
-            hooks.add(module.register_forward_hook(partial(record, name)))
+class _FirstUse(TorchFunctionMode):
+    """Numbers the watched tensors in the order torch calls first take them as arguments."""
+
+    def __init__(self, watched: set[int]) -> None:
+        super().__init__()
+        self.watched = watched
+        self.order: dict[int, int] = {}
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        for tensor in tensors_in((args, kwargs)):
+            if id(tensor) in self.watched:
+                self.order.setdefault(id(tensor), len(self.order))
+        return func(*args, **kwargs)
+
+
+def _first_use(model: nn.Module, inputs: torch.Tensor) -> dict[int, int]:
+    """``{id(parameter): rank of its first use}`` in one forward pass of one sample."""
+    recorder = _FirstUse({id(parameter) for parameter in model.parameters()})
+    with eval_mode(model), torch.inference_mode(), recorder:
         model(inputs[:1])
-    return {name: owners[name] for name in reversed(called)}
+    return recorder.order
 
 
 @torch.no_grad()
-def _randomize(module: nn.Module, generator: torch.Generator) -> None:
-    """Replace every parameter of ``module`` by noise with the tensor's own mean and std."""
-    for parameter in module.parameters():
+def _randomize(parameters: Sequence[nn.Parameter], generator: torch.Generator) -> None:
+    """Replace each parameter by noise with the tensor's own mean and std.
+
+    A constant tensor (a scalar, a layer scale still at its initial value) has no spread of
+    its own; its noise takes ``|mean|`` as the spread, so that it still changes.
+    """
+    for parameter in parameters:
         mean = parameter.mean()
-        spread = parameter.std(correction=0) if parameter.numel() > 1 else mean.abs()
+        std = parameter.std(correction=0) if parameter.numel() > 1 else torch.zeros_like(mean)
+        spread = torch.where(std > 0, std, mean.abs())
         noise = torch.randn(
             parameter.shape, generator=generator, device=parameter.device, dtype=parameter.dtype
         )

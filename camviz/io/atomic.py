@@ -9,6 +9,7 @@ remove those that an interrupted run left behind (:func:`is_temporary`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import secrets
@@ -93,4 +94,6 @@ def _unwritable(path: Path, error: OSError) -> str:
     if blocking is not None:
         return f"cannot write {path}: {blocking} is a file, not a folder; choose another path"
     reason = error.strerror or type(error).__name__
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"cannot write {path} ({reason}); make room, then run the same command again"
     return f"cannot write {path} ({reason}); choose an output folder you can write to"

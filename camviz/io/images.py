@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 import numpy as np
 import torch
@@ -96,7 +96,7 @@ def load_image(path: PathLike, *, max_pixels: int | None = MAX_PIXELS) -> Image.
         ) from None
 
 
-def _open(file: object, path: Path) -> Image.Image:
+def _open(file: IO[bytes], path: Path) -> Image.Image:
     """Read the header only; Pillow's decompression-bomb warning becomes an error."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import nn
@@ -302,10 +302,12 @@ def _timm_architecture(name: str) -> _Architecture:
         raise CamvizError(_unknown_timm_message(name, timm.list_models()))
     # Every registered timm model has a pretrained config, even one without weights.
     config = get_pretrained_cfg(name)
+    assert config is not None
+    # Preprocess checks that mean and std hold three values.
     preprocess = Preprocess(
         size=min(config.input_size[1:]),
-        mean=config.mean,
-        std=config.std,
+        mean=cast("tuple[float, float, float]", config.mean),
+        std=cast("tuple[float, float, float]", config.std),
         resize="square" if config.fixed_input_size else "shorter",
         interpolation=_interpolation(config.interpolation),
     )
@@ -327,10 +329,10 @@ def _timm_architecture(name: str) -> _Architecture:
     )
 
 
-def _interpolation(mode: str) -> str:
+def _interpolation(mode: str) -> Literal["bilinear", "bicubic"]:
     # Both libraries train almost every model with one of these two; anything else
     # (timm's "random" for training) is read as the common "bilinear".
-    return mode if mode in ("bilinear", "bicubic") else "bilinear"
+    return "bicubic" if mode == "bicubic" else "bilinear"
 
 
 def _default_layer(name: str) -> str | None:
@@ -442,16 +444,19 @@ def _read_checkpoint(path: Path) -> Any:
         except Exception as error:  # safetensors raises its own error types
             raise CamvizError(f"{path} is not a readable safetensors file ({error})") from None
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's multi-line advice to drop weights_only
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        pickled = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
-        if pickled:
-            raise CamvizError(
-                f"{path} pickles a whole {pickled.group(1)} object, which camviz does not "
-                "load (unpickling can run arbitrary code); save `model.state_dict()` instead: "
-                "torch.save(model.state_dict(), PATH)"
-            ) from None
-        raise CamvizError(_not_a_checkpoint(path, error)) from None
+        # torch names what the file would have run or built: "GLOBAL posix.system".
+        pickled = re.search(r"GLOBAL (\S+)", str(error))
+        if pickled is None:  # not a pickle at all
+            raise CamvizError(_not_a_checkpoint(path, error)) from None
+        raise CamvizError(
+            f"{path} is not a plain state_dict (it pickles {pickled.group(1)}); camviz loads "
+            "weights only, for safety (unpickling anything else can run code), so save one "
+            "with torch.save(model.state_dict(), PATH)"
+        ) from None
     except PermissionError:
         raise CamvizError(f"cannot read {path}: permission denied; check its permissions") from None
     except Exception as error:  # torch.load fails on foreign files with many error types

@@ -455,6 +455,76 @@ def _columns(count: int, ncols: int | None) -> int:
     return ncols
 
 
+# Concepts (Deep Feature Factorization) ------------------------------------------------------
+
+
+def concept_overlay(
+    image: Image.Image, maps: torch.Tensor, alpha: float = 0.6, colormap: str = "tab10"
+) -> Image.Image:
+    """One colour per concept over an image: each pixel takes the colour of its strongest
+    concept, as opaque as that concept is strong there.
+
+    Args:
+        image: The original image.
+        maps: ``(k, h, w)`` non-negative concept maps of this image, such as
+            ``camviz.factorize(...).maps[0]``; each is scaled by its own maximum.
+        alpha: Opacity of the colours where a concept is at its strongest.
+        colormap: A qualitative matplotlib colour map; concept ``j`` gets its colour ``j``.
+
+    Returns:
+        An RGB image of ``image.size``.
+    """
+    if not isinstance(maps, torch.Tensor) or maps.dim() != 3:
+        raise CamvizError("concept maps must be one (k, h, w) tensor, e.g. concepts.maps[0]")
+    if not 0 <= alpha <= 1:
+        raise CamvizError(f"alpha must lie in [0, 1], got {alpha}")
+    rgb = image if image.mode == "RGB" else to_rgb(image)
+    width, height = rgb.size
+    values = maps.detach().to("cpu", torch.float32).clamp_min(0)
+    values = values / values.flatten(1).amax(1).clamp_min(1e-12).view(-1, 1, 1)
+    strength, winner = upsample(values, (height, width)).clamp(0, 1).max(dim=0)
+    colours = 255 * _concept_colours(colormap, len(values))[winner.numpy()]
+    weight = alpha * strength.numpy()[..., None]
+    pixels = np.asarray(rgb, dtype=np.float32)
+    return Image.fromarray(np.rint((1 - weight) * pixels + weight * colours).astype(np.uint8))
+
+
+def concept_figure(
+    image: Image.Image,
+    maps: torch.Tensor,
+    labels: Sequence[str] | None = None,
+    *,
+    title: str = "",
+    alpha: float = 0.6,
+    colormap: str = "tab10",
+) -> Figure:
+    """The image beside its :func:`concept_overlay`, with a legend of the concepts' colours.
+
+    Args:
+        image: The original image.
+        maps: ``(k, h, w)`` concept maps of this image.
+        labels: One label per concept (e.g. its top classes); ``None``: ``concept 1..k``.
+        title: The figure's title.
+        alpha, colormap: As in :func:`concept_overlay`.
+    """
+    from matplotlib.patches import Patch
+
+    shown = concept_overlay(image, maps, alpha, colormap)
+    names = list(labels) if labels is not None else [f"concept {j + 1}" for j in range(len(maps))]
+    if len(names) != len(maps):
+        raise CamvizError(f"got {len(names)} labels for {len(maps)} concepts")
+    width, height = shown.size
+    figure = Figure(figsize=(8, 4 * height / width + 1.2), layout="constrained")
+    axes = figure.subplots(1, 2)
+    axes[0].imshow(image)
+    axes[1].imshow(shown)
+    for ax in axes:
+        ax.set_axis_off()
+    colours = _concept_colours(colormap, len(names))
+    handles = [Patch(color=tuple(c), label=n) for c, n in zip(colours, names, strict=True)]
+    figure.legend(handles=handles, loc="outside lower center", ncols=min(len(names), 2))
+
+
 # Maps of every shape: signed maps, signals, volumes and clips -----------------------------
 #
 # These draw maps of any spatial rank, signed or not (``explain(..., relu=False)``), with
@@ -629,6 +699,19 @@ def volume_montage(
     figure.colorbar(shown, ax=list(axes), shrink=0.6, label="map")
     figure.suptitle(title)
     return figure
+
+
+def _concept_colours(colormap: str, count: int) -> np.ndarray:
+    """``(count, 3)`` RGB colours in ``[0, 1]``: entry ``j`` of a qualitative colour map."""
+    cmap = _concept_colormap(colormap)
+    return np.array([cmap(j % cmap.N)[:3] for j in range(count)], dtype=np.float32)
+
+
+def _concept_colormap(colormap: str) -> Colormap:
+    try:
+        return matplotlib.colormaps[colormap]
+    except KeyError:
+        raise CamvizError(f"unknown colour map {colormap!r}; use e.g. tab10 or Set1") from None
 
 
 def clip_video(

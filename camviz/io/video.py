@@ -34,6 +34,13 @@ _READ_AHEAD = 64
 _OPEN_VIDEOS = 4
 
 
+# FFmpeg, inside OpenCV, prints its own log lines ("moov atom not found") on stderr; camviz
+# reports an unreadable video in its own words, so they are silenced (-8 is FFmpeg's
+# AV_LOG_QUIET). OpenCV reads this once, when it first uses FFmpeg in the process, so it is
+# set on import; a value the user set is kept.
+os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")
+
+
 def _cv2() -> Any:
     import cv2
 
@@ -113,7 +120,7 @@ class FrameReader:
         while position < index and capture.grab():
             position += 1
         ok, frame = capture.read() if position == index else (False, None)
-        if not ok:
+        if not ok or frame is None:
             capture.release()
             raise CamvizError(f"cannot read frame {index} of {path}; the video may be truncated")
         self._open[path] = (capture, index + 1)

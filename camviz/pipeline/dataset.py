@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ from camviz.core.targets import Target, as_logits, class_name
 from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
 from camviz.io.models import LoadedModel
 from camviz.io.video import FrameReader
-from camviz.pipeline.inputs import Item, expand
+from camviz.pipeline.inputs import Item, expand, not_a_regular_file
 
 #: How many predictions each result keeps, best first.
 TOP_PREDICTIONS = 5
@@ -120,8 +120,10 @@ class ItemDataset(Dataset):
 
     def __getitem__(self, index: int) -> Image.Image:
         item = self.items[index]
-        if item.reason is not None:
-            raise CamvizError(item.reason)
+        # A file may have been replaced by a FIFO since the inputs were listed.
+        reason = item.reason or not_a_regular_file(item.path)
+        if reason is not None:
+            raise CamvizError(reason)
         if item.frame is not None:
             return self._frames.read(item.path, item.frame)
         return load_image(item.path, max_pixels=self.max_pixels)
@@ -157,7 +159,7 @@ class _Prepared(Dataset):
         self.keep_images = keep_images
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(cast(Sized, self.dataset))
 
     def __getitem__(self, index: int) -> _Sample:
         started = time.perf_counter()
@@ -260,12 +262,12 @@ def explain_dataset(
     if not isinstance(workers, int) or workers < 0:
         raise CamvizError(f"workers must be 0 or more, not {workers!r}")
     if not isinstance(data, Dataset):
-        items = expand(data, every=every)
+        items: list[Item] | None = expand(data, every=every)
         if not items:
             raise CamvizError("no image or video found in the inputs; check the paths")
         data = ItemDataset(items, max_pixels=max_pixels)
-    items = data.items if isinstance(data, ItemDataset) else None
-    order = list(range(len(data))) if indices is None else list(indices)
+    known = data.items if isinstance(data, ItemDataset) else None
+    order = list(range(len(cast(Sized, data)))) if indices is None else list(indices)
     explainer = _BatchExplainer(network, categories, method, layer, target, options)
     loader = DataLoader(
         _Prepared(data, preprocess, keep_images),
@@ -274,7 +276,7 @@ def explain_dataset(
         num_workers=workers,
         collate_fn=list,
     )
-    return _explained(loader, explainer, items, batch_size, len(order), progress)
+    return _explained(loader, explainer, known, batch_size, len(order), progress)
 
 
 def _explained(
@@ -313,8 +315,9 @@ def _explained(
     finally:
         bar.close()
         del batches  # shuts the workers down, also when the consumer stops early
-        if isinstance(loader.dataset.dataset, ItemDataset):
-            loader.dataset.dataset.close()
+        prepared = loader.dataset
+        if isinstance(prepared, _Prepared) and isinstance(prepared.dataset, ItemDataset):
+            prepared.dataset.close()
 
 
 class _Buckets:
@@ -328,6 +331,7 @@ class _Buckets:
 
     def add(self, sample: _Sample) -> list[_Sample]:
         """Add ``sample``; returns a batch that is ready (full, or needed to free memory)."""
+        assert sample.inputs is not None  # only decoded samples wait for a batch
         shape = tuple(sample.inputs.shape)
         self.by_shape.setdefault(shape, []).append(sample)
         self.waiting += 1
@@ -370,11 +374,15 @@ class _BatchExplainer:
     def __call__(self, samples: list[_Sample], items: list[Item] | None) -> list[ImageResult]:
         if not samples:
             return []
+        inputs = []
+        for sample in samples:
+            assert sample.inputs is not None  # only decoded samples are batched
+            inputs.append(sample.inputs)
         started = time.perf_counter()
         try:
             explanation = explain(
                 self.network,
-                torch.stack([sample.inputs for sample in samples]),
+                torch.stack(inputs),
                 self.method,
                 self.layer,
                 self.target,
@@ -396,7 +404,7 @@ class _BatchExplainer:
         logits = as_logits(explanation.output, self.options.get("output_key")).detach().float()
         table = logits.dim() == 2  # (N, classes): probabilities and a top list make sense
         probabilities = logits.softmax(-1).cpu() if table else None
-        if table:
+        if probabilities is not None:
             best = probabilities.topk(min(TOP_PREDICTIONS, logits.shape[-1]), dim=-1)
             top_ids, top_probabilities = best.indices.tolist(), best.values.tolist()
             top_scores = logits.cpu().gather(1, best.indices).tolist()
@@ -404,8 +412,12 @@ class _BatchExplainer:
         targets = explanation.targets.tolist()
         scores = explanation.scores.tolist()
         heatmaps = explanation.heatmaps.detach().cpu()
+        finite = _finite_per_sample(logits, explanation.scores, heatmaps, len(samples))
         results = []
         for position, sample in enumerate(samples):
+            if not finite[position]:
+                results.append(_failed(sample, _NOT_FINITE, items))
+                continue
             rows = range(position * ranks, (position + 1) * ranks)
             explained = [
                 Prediction(
@@ -414,7 +426,7 @@ class _BatchExplainer:
                     score=scores[row],
                     probability=(
                         float(probabilities[position, targets[row]])
-                        if table and targets[row] >= 0
+                        if probabilities is not None and targets[row] >= 0
                         else None
                     ),
                 )
@@ -455,6 +467,24 @@ class _BatchExplainer:
 
     def _name(self, class_id: int) -> str:
         return class_name(self.categories, class_id)
+
+
+_NOT_FINITE = (
+    "the model's output or the map is not finite (NaN or Inf) for this input; check the "
+    "weights (`camviz inspect` names the first layer that makes a NaN)"
+)
+
+
+def _finite_per_sample(
+    logits: torch.Tensor, scores: torch.Tensor, heatmaps: torch.Tensor, count: int
+) -> list[bool]:
+    """Whether each sample's output, explained scores and maps are all finite numbers."""
+    finite = torch.ones(count, dtype=torch.bool)
+    for values in (logits, scores, heatmaps):
+        if values.dim() > 0 and values.shape[0] % count == 0:
+            per_sample = values.detach().cpu().reshape(count, -1)
+            finite &= torch.isfinite(per_sample).all(dim=1)
+    return finite.tolist()
 
 
 def _failed(sample: _Sample, reason: str, items: list[Item] | None) -> ImageResult:

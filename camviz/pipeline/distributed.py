@@ -109,8 +109,8 @@ def shard(indices: Sequence[int], context: Context) -> list[int]:
     ...) and pads the list by repeating its start so every rank gets as many; the padding is
     dropped here, because explaining an image twice would only write the same files twice.
     """
-    sampler = DistributedSampler(
-        range(len(indices)),
+    sampler: DistributedSampler[int] = DistributedSampler(
+        range(len(indices)),  # type: ignore[arg-type]  # it only takes len(); typed as Dataset
         num_replicas=context.world_size,
         rank=context.rank,
         shuffle=False,

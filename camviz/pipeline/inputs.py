@@ -4,7 +4,7 @@ An *input* is one of:
 
 * an image file (any extension: a file named explicitly is always tried);
 * a folder, searched recursively for files with an image or video extension (hidden files
-  and folders, and the output folder, are left out);
+  and folders are left out);
 * a glob pattern (``"photos/**/*.jpg"``), whose matches are taken like a folder's files;
 * a text file of paths (``.txt`` or ``.lst``), one input per line, relative to the list's
   own folder; blank lines and lines starting with ``#`` are ignored;
@@ -12,15 +12,25 @@ An *input* is one of:
   n-th, becomes its own item.
 
 Inputs that cannot be expanded (a missing file, a pattern that matches nothing, a video
-OpenCV cannot open) are not errors here: they become items with a :attr:`Item.reason`,
-which the run reports and skips like an unreadable image.
+OpenCV cannot open, anything that is not a regular file: a FIFO, a socket, a device, or a
+link to one, which would block the run when opened) are not errors here: they become items
+with a :attr:`Item.reason`, which the run reports and skips like an unreadable image.
+
+Files that camviz itself wrote are never inputs: the caller passes them as ``exclude``
+(the files an output folder's manifests list), and a file in the output folder named exactly
+like the output of another input (left by a run killed before its row was written) is
+left out too. The user's own files in that folder stay inputs.
 
 Every item has a *key* (its path, plus ``#frame`` for a video frame) that identifies it
 across runs, so a resumed run knows what is done; and a *name*, unique in the run, from
 which its output files are named. A folder's files keep their sub-folders in the name
-(``cat/001``, ``dog/001``), so same-named files in different class folders do not collide;
-two inputs that would still share a name get a short hash of their path added
-(``x-3f2a9c1b``).
+(``cat/001``, ``dog/001``), so same-named files in different class folders do not collide.
+Names never collide, whatever the inputs are called: two names that differ only in case
+(one file on macOS and Windows), or an image whose name a video's frames would also take
+(``clip_frames/000000.png`` beside ``clip.mp4``), get a short hash of their path added
+(``x-3f2a9c1b``). A name part too long for the file system once the output suffixes are
+added (most allow 255 bytes) is cut and gets a hash of its full text. Both hashes depend
+only on the path, so a resumed run gives every input the same name again.
 """
 
 from __future__ import annotations
@@ -29,8 +39,10 @@ import functools
 import glob
 import hashlib
 import os
+import re
+import stat
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +57,20 @@ VIDEO_SUFFIXES = frozenset({".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".m
 LIST_SUFFIXES = frozenset({".txt", ".lst"})
 
 _GLOB_CHARACTERS = frozenset("*?[")
+
+#: The longest file name, in bytes, that most file systems take (ext4, XFS, Btrfs, APFS...).
+NAME_MAX = 255
+
+# Bytes kept free in each part of a name for what the job adds to it: the longest output
+# suffix ("_rank99_heatmap.npz"), a video's "_frames", atomic_write's temporary wrapper
+# (".NAME.<12 hex>.tmp.mp4") and a collision hash ("-3f2a9c1b").
+_NAME_RESERVE = 64
+
+# How the job names its outputs: NAME_overlay.png, NAME_rank2_panel.png, NAME_heatmap.npz.
+_OUTPUT_FILE = re.compile(r"(.+?)(_rank\d+)?_(?:overlay|panel|heatmap)\.(?:png|npz)")
+
+# How a video's frames are named: NAME_frames/000012.
+_FRAME_NAME = re.compile(r"(.+)_frames/\d{6}")
 
 
 @dataclass(frozen=True)
@@ -90,7 +116,9 @@ def expand(
     inputs: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     *,
     every: int = 1,
-    exclude: str | os.PathLike[str] | None = None,
+    exclude: Collection[str | os.PathLike[str]] = (),
+    output_folder: str | os.PathLike[str] | None = None,
+    max_name_bytes: int = NAME_MAX,
 ) -> list[Item]:
     """The items named by files, folders, globs, path lists and videos, in a stable order.
 
@@ -100,8 +128,11 @@ def expand(
     Args:
         inputs: One input or several (see the module docstring).
         every: Take every ``every``-th frame of a video (0, every, 2 * every, ...).
-        exclude: A folder whose files are never inputs (the output folder, which may lie
-            inside an input folder).
+        exclude: Files that are never inputs (those a previous run wrote, as its manifests
+            list them), wherever they are found.
+        output_folder: Where the outputs go: a file there named like the output of another
+            input is not an input.
+        max_name_bytes: The file system's longest file name; longer names are shortened.
 
     Raises:
         CamvizError: ``every`` is not a positive integer, or a path list cannot be read.
@@ -110,13 +141,21 @@ def expand(
         raise CamvizError(f"every must be a positive whole number of frames, not {every!r}")
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
-    skipped = Path(exclude).resolve() if exclude is not None else None
-    files: dict[str, _File] = {}
+    written = {os.path.realpath(path) for path in exclude}
+    found: dict[str, _File] = {}
     for source in inputs:
-        for file in _expand_one(os.fspath(source), every, skipped, lists=True):
-            files.setdefault(os.path.normpath(file.path), file)
+        for file in _expand_one(os.fspath(source), every, lists=True):
+            if not written or os.path.realpath(file.path) not in written:
+                found.setdefault(os.path.normpath(file.path), file)
+    files = list(found.values())
+    names = _unique_names(files, max_name_bytes)
+    if output_folder is not None and os.path.isdir(output_folder):  # else nothing is in it
+        kept = _not_outputs(files, names, output_folder)
+        if len(kept) < len(files):
+            files = kept
+            names = _unique_names(files, max_name_bytes)
     items = []
-    for file, name in zip(files.values(), _unique_names(list(files.values())), strict=True):
+    for file, name in zip(files, names, strict=True):
         if file.frames is None:
             items.append(Item(path=file.path, name=name, reason=file.reason))
         else:
@@ -127,15 +166,37 @@ def expand(
     return items
 
 
-def _expand_one(source: str, every: int, skipped: Path | None, lists: bool) -> Iterator[_File]:
+def _not_outputs(
+    files: list[_File], names: list[str], output_folder: str | os.PathLike[str]
+) -> list[_File]:
+    """``files`` without those in ``output_folder`` named like another file's output."""
+    folder = os.path.realpath(output_folder)
+    images = {name for file, name in zip(files, names, strict=True) if file.frames is None}
+    videos = {name for file, name in zip(files, names, strict=True) if file.frames is not None}
+
+    def is_output(file: _File) -> bool:
+        relative = os.path.relpath(os.path.realpath(file.path), folder)
+        if relative.startswith(os.pardir):
+            return False
+        match = _OUTPUT_FILE.fullmatch(Path(relative).as_posix())
+        if match is None:
+            return False
+        stems = {match.group(1), match.group(1) + (match.group(2) or "")}
+        frames = [_FRAME_NAME.fullmatch(stem) for stem in stems]
+        return bool(stems & images) or any(frame and frame.group(1) in videos for frame in frames)
+
+    return [file for file in files if not is_output(file)]
+
+
+def _expand_one(source: str, every: int, lists: bool) -> Iterator[_File]:
     path = Path(source)
     if path.is_dir():
-        for file in _walk(path, skipped):
+        for file in _walk(path):
             yield _file(str(file), every, file.relative_to(path).with_suffix("").as_posix())
-    elif path.is_file() or path.is_symlink():
-        if lists and path.suffix.lower() in LIST_SUFFIXES:
+    elif path.exists() or path.is_symlink():
+        if lists and path.is_file() and path.suffix.lower() in LIST_SUFFIXES:
             for line in _read_list(path):
-                yield from _expand_one(line, every, skipped, lists=False)
+                yield from _expand_one(line, every, lists=False)
         else:
             yield _file(source, every, path.stem)
     elif _GLOB_CHARACTERS & set(source):
@@ -145,26 +206,29 @@ def _expand_one(source: str, every: int, skipped: Path | None, lists: bool) -> I
             reason = f"no image or video matches {source!r}; check the pattern"
             yield _File(source, "unmatched", reason=reason)
         for match in found:
-            yield from _expand_one(match, every, skipped, lists=False)
+            yield from _expand_one(match, every, lists=False)
     else:
         yield _File(source, path.stem, reason=f"input not found: {source}; check the path")
 
 
-def _walk(folder: Path, skipped: Path | None) -> Iterator[Path]:
-    """Image and video files under ``folder``, sorted, without hidden ones or ``skipped``."""
+def _walk(folder: Path) -> Iterator[Path]:
+    """Files under ``folder`` with an image or video extension, sorted, without hidden ones.
+
+    Special files (FIFOs, sockets, devices) with such an extension are listed too: they
+    are reported as skipped, not silently passed over.
+    """
     for root, folders, files in os.walk(folder):
         here = Path(root)
-        folders[:] = sorted(
-            name
-            for name in folders
-            if not name.startswith(".") and (here / name).resolve() != skipped
-        )
+        folders[:] = sorted(name for name in folders if not name.startswith("."))
         for name in sorted(files):
             if not name.startswith(".") and _is_media(here / name):
                 yield here / name
 
 
 def _file(path: str, every: int, stem: str) -> _File:
+    problem = not_a_regular_file(path)
+    if problem is not None:
+        return _File(path, stem, reason=problem)
     if Path(path).suffix.lower() not in VIDEO_SUFFIXES:
         return _File(path, stem)
     from camviz.io.video import frame_count
@@ -194,9 +258,37 @@ def _read_list(path: Path) -> list[str]:
     ]
 
 
+def not_a_regular_file(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be read as a file (missing, a FIFO, a device...), or ``None``.
+
+    Opening a FIFO blocks until something writes to it, so special files are refused
+    before anything opens them; links are followed.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return f"input not found: {path}; check the path"
+    except OSError as error:
+        return f"cannot read {path} ({error.strerror or type(error).__name__}); check the path"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISSOCK: "a socket",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISDIR: "a folder",
+    }
+    kind = next((name for test, name in kinds.items() if test(mode)), "a special file")
+    return f"{path} is not a regular file ({kind}); camviz reads regular files only"
+
+
 def _is_media(path: Path) -> bool:
+    """Whether ``path`` has an image or video extension (and exists, whatever its type)."""
     suffix = path.suffix.lower()
-    return path.is_file() and (suffix in VIDEO_SUFFIXES or suffix in _image_suffixes())
+    return (path.exists() or path.is_symlink()) and (
+        suffix in VIDEO_SUFFIXES or suffix in _image_suffixes()
+    )
 
 
 @functools.cache
@@ -210,19 +302,59 @@ def _image_suffixes() -> frozenset[str]:
     )
 
 
-def _unique_names(files: Sequence[_File]) -> list[str]:
-    """Each file's stem, with a short hash of its path added where two files share a stem.
+def _unique_names(files: Sequence[_File], max_name_bytes: int) -> list[str]:
+    """Each file's stem, fitted to the file system, with a hash of its path where names clash.
 
     The hash, unlike a counter, does not depend on the order of the inputs or on which
     other files are in the run, so a resumed run with more inputs never gives a new file
-    the name (and so the output files) of one already done.
+    the name (and so the output files) of one already done. A name that clashes even with
+    its hash (someone named a file like another's hashed name) gets a longer hash.
     """
-    counts = Counter(file.stem for file in files)
-    return [
-        file.stem if counts[file.stem] == 1 else f"{file.stem}-{_path_hash(file.path)}"
-        for file in files
-    ]
+    stems = [_fitted(file.stem, max_name_bytes) for file in files]
+    videos = [file.frames is not None for file in files]
+    digits = [0] * len(files)
+    for _ in range(4):
+        names = [
+            stem if count == 0 else f"{stem}-{_path_hash(file.path)[:count]}"
+            for stem, file, count in zip(stems, files, digits, strict=True)
+        ]
+        clashing = _clashing(names, videos)
+        if not clashing:
+            return names
+        for index in clashing:
+            digits[index] = 8 if digits[index] == 0 else 40
+    raise CamvizError("cannot give the inputs distinct output names; rename the inputs")
+
+
+def _clashing(names: Sequence[str], videos: Sequence[bool]) -> set[int]:
+    """Positions of names whose outputs would land on another's (case ignored)."""
+    keys = [name.casefold() for name in names]
+    counts = Counter(zip(keys, videos, strict=True))
+    frame_folders = {key + "_frames/": index for index, key in enumerate(keys) if videos[index]}
+    clashing = {index for index, key in enumerate(keys) if counts[key, videos[index]] > 1}
+    for index, key in enumerate(keys):
+        if videos[index] or "_frames/" not in key:
+            continue
+        for match in re.finditer("_frames/", key):
+            video = frame_folders.get(key[: match.end()])
+            if video is not None:
+                clashing |= {index, video}
+    return clashing
+
+
+def _fitted(stem: str, max_name_bytes: int) -> str:
+    """``stem`` with each too-long part cut and marked with a hash of its full text."""
+    limit = max(16, max_name_bytes - _NAME_RESERVE)
+    parts = []
+    for part in stem.split("/"):
+        encoded = part.encode("utf-8", "surrogateescape")
+        if len(encoded) > limit:
+            digest = hashlib.sha1(encoded).hexdigest()[:8]
+            kept = encoded[: limit - 9].decode("utf-8", "ignore")
+            part = f"{kept}-{digest}"
+        parts.append(part)
+    return "/".join(parts)
 
 
 def _path_hash(path: str) -> str:
-    return hashlib.sha1(os.path.normpath(path).encode()).hexdigest()[:8]
+    return hashlib.sha1(os.path.normpath(path).encode("utf-8", "surrogateescape")).hexdigest()

@@ -17,14 +17,31 @@ their sub-folders, see :mod:`camviz.pipeline.inputs`):
   ``reason``, ``size``, ``prediction`` (top-1), ``top5``, ``explained`` (the explained
   classes with ``id``, ``name``, ``score``, ``probability`` and their ``files``), ``files``,
   ``layers`` and ``seconds`` (decoding plus the image's share of its batch);
-* ``manifest.json``: the run's settings and, at the end, every row (``images``), the
-  videos and the counts. While a run is under way it holds ``"complete": false``.
+* ``manifest.json``: the run's settings and, at the end, the counts (``ok``, ``error``,
+  and ``already_done``: inputs a previous run had finished), the rows of the inputs that
+  failed (``failures``), the videos, and ``other_files``: files in the folder written for
+  inputs that are not among this run's (a rerun with fewer inputs). The rows of every input
+  stay in ``manifest.jsonl`` only, so this file stays small however many inputs there are.
+  While a run is under way it holds ``"complete": false``. Both manifests are strict JSON
+  (no ``NaN``).
 
-**Unreadable inputs** are skipped and get a row with the reason. If *no* input can be
-explained (one bad file, a folder of bad files) the job raises a
-:class:`~camviz.core.errors.CamvizError` and writes nothing, as before any other user mistake:
-the output folder is created only once the first image is explained, and a mistake in the
-method, layer or target surfaces there.
+**Unreadable inputs** are skipped and get a row with the reason; so do special files
+(FIFOs, devices) and inputs whose output or map is not finite (NaN weights). If *no* input
+can be explained (one bad file, a folder of bad files) the job raises a
+:class:`~camviz.core.errors.CamvizError` and leaves nothing behind, as after any other user
+mistake: a folder created for the run is removed again while it is empty, and a mistake in
+the method, layer or target surfaces with the first batch.
+
+**Outputs are never inputs.** The files the folder's manifests list are left out of the
+inputs, so ``camviz explain photos --out photos`` explains the user's photos and never its
+own overlays, however often it is run (see :mod:`camviz.pipeline.inputs`).
+
+**One job per folder.** A job holds its output folder with a lock (see
+:mod:`camviz.pipeline.lock`); a second job into the same folder stops at once with one
+line, before touching anything.
+
+**A full disk** stops the run with one line; every file is complete or absent, and the
+same command resumes once there is space.
 
 **Resuming.** Run the same job again with the same output folder and only what is not done
 is explained (an input is done when its row says ``ok`` and its files exist); temporary
@@ -42,7 +59,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -55,19 +71,19 @@ from PIL import Image
 
 from camviz.cams import get as get_method
 from camviz.core.errors import CamvizError
-from camviz.core.layers import Layer
+from camviz.core.layers import Layer, resolve_layers
 from camviz.core.targets import Target
 from camviz.io.atomic import atomic_write
 from camviz.io.images import PathLike
 from camviz.io.models import LoadedModel
 from camviz.io.render import overlay, panel, save
 from camviz.io.video import frame_rate, write_video
-from camviz.pipeline import distributed, manifest
+from camviz.pipeline import distributed, lock, manifest
 from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
-from camviz.pipeline.inputs import Item, expand
+from camviz.pipeline.inputs import NAME_MAX, Item, expand
 
 #: The run's summary: settings, and every row once the run is complete.
-MANIFEST = "manifest.json"
+MANIFEST = manifest.SUMMARY
 
 #: The suffix of overlay videos.
 VIDEO_SUFFIX = ".mp4"
@@ -132,7 +148,8 @@ def explain_files(
 
     Args:
         inputs: Files, folders, glob patterns, ``.txt`` path lists, videos.
-        out_dir: Folder for the results; created once the first image is explained.
+        out_dir: Folder for the results; created (to hold its lock) when the job starts, and
+            removed again if the job fails before writing anything into it.
         loaded: A model from :func:`camviz.models.load` (model, preprocessing, class names),
             on the device it should run on.
         method: A CAM method name (``camviz methods`` lists them).
@@ -147,48 +164,96 @@ def explain_files(
         progress: A progress bar on stderr: ``True``, ``False``, or ``None`` (on a terminal).
 
     Returns:
-        The manifest, as written to ``out_dir/manifest.json``.
+        The summary, as written to ``out_dir/manifest.json`` (settings, counts, failures,
+        videos, other files); the rows of every input are in ``out_dir/manifest.jsonl``.
 
     Raises:
-        CamvizError: No input can be explained, the output folder is unusable or holds
-            another run's results, or a bad method, layer or target.
+        CamvizError: No input can be explained, the output folder is unusable, in use by
+            another job or holds another run's results, a write fails (a full disk), or a
+            bad method, layer or target.
     """
     out = Path(out_dir)
     method = get_method(method).name  # an unknown name fails before any work
-    items = expand(inputs, every=every, exclude=out)
+    check_out_dir(out)
+    items = expand(
+        inputs,
+        every=every,
+        exclude=manifest.written_files(out),
+        output_folder=out,
+        max_name_bytes=_name_max(out),
+    )
     if not items:
         raise CamvizError(
-            "no image or video found in the inputs; pass image files, folders, glob patterns, "
-            "path lists or videos"
+            "no image or video found in the inputs (files camviz wrote are never inputs); "
+            "pass image files, folders, glob patterns, path lists or videos"
         )
-    _check_out_dir(out)
     settings = _settings(loaded, method, layer, target, render, outputs)
-    with distributed.session() as context:
-        _check_settings(out, settings)
-        done = manifest.finished(out, manifest.read_rows(out))
-        if context.is_main and out.is_dir():
-            manifest.remove_temporaries(out)
-        todo = [index for index, item in enumerate(items) if item.key not in done]
-        distributed.barrier(context)
-        job = _Job(out, items, loaded, settings, render, outputs, context)
-        job.run(
-            distributed.shard(todo, context),
-            method=method,
-            layer=layer,
-            target=target,
-            batch_size=batch_size,
-            workers=workers,
-            writers=writers,
-            progress=progress if context.is_main else False,  # one bar, not one per process
-        )
-        if distributed.total(job.explained, context) == 0 and len(todo) == len(items):
-            raise CamvizError(job.failure_message())  # nothing explained, now or before
-        job.close()
-        distributed.barrier(context)
-        if context.is_main:
-            _finish(out, items, settings, every)
-        distributed.barrier(context)
+    with distributed.session() as context, lock.locked(out, context):
+        try:
+            _run(
+                out,
+                items,
+                loaded,
+                settings,
+                render,
+                outputs,
+                context,
+                every,
+                method=method,
+                layer=layer,
+                target=target,
+                batch_size=batch_size,
+                workers=workers,
+                writers=writers,
+                progress=progress,
+            )
+        except OSError as error:  # a full disk, a quota, a folder removed under the run
+            reason = error.strerror or type(error).__name__
+            raise CamvizError(
+                f"cannot write to {str(out)!r} ({reason}); make room (or fix the folder) and "
+                "run the same command again: it resumes where it stopped"
+            ) from None
     return json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+
+
+def _run(
+    out: Path,
+    items: list[Item],
+    loaded: LoadedModel,
+    settings: dict[str, Any],
+    render: RenderOptions,
+    outputs: Outputs,
+    context: distributed.Context,
+    every: int,
+    **options: Any,
+) -> None:
+    """The job, once the folder is held: resume, explain what is left, merge, finish."""
+    _check_settings(out, settings)
+    done = manifest.finished(out, manifest.read_rows(out))
+    if context.is_main:
+        manifest.remove_temporaries(out)
+    todo = [index for index, item in enumerate(items) if item.key not in done]
+    distributed.barrier(context)
+    job = _Job(out, items, loaded, settings, render, outputs, context)
+    progress = options.pop("progress") if context.is_main else False  # one bar, not N
+    options.pop("progress", None)
+    job.run(distributed.shard(todo, context), progress=progress, **options)
+    if distributed.total(job.explained, context) == 0 and len(todo) == len(items):
+        raise CamvizError(job.failure_message())  # nothing explained, now or before
+    job.close()
+    distributed.barrier(context)
+    if context.is_main:
+        _finish(out, items, settings, every, already_done=len(items) - len(todo))
+    distributed.barrier(context)
+
+
+def _name_max(out: Path) -> int:
+    """The longest file name the output folder's file system takes (at most 255 bytes)."""
+    existing = next(folder for folder in (out, *out.parents) if folder.exists())
+    try:
+        return min(NAME_MAX, os.pathconf(existing, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError):
+        return NAME_MAX
 
 
 class _Job:
@@ -263,7 +328,6 @@ class _Job:
         """Create the output folder, the settings and the row log, on first use."""
         if self.log is not None:
             return
-        _make_out_dir(self.out)
         _write_manifest(self.out, {"complete": False, "settings": self.settings})
         self.log = manifest.RowLog(
             manifest.log_path(self.out, self.context.rank, self.context.world_size)
@@ -274,8 +338,10 @@ class _Job:
     def _write(self, result: ImageResult) -> None:
         """Draw and write one image's files, then its row (runs on a writer thread)."""
         item = self.items[result.index]
+        assert result.heatmaps is not None and self.log is not None  # ok; run() opened the log
         ranks = len(result.explained)
         explained = []
+        assert result.heatmaps is not None and self.log is not None  # an explained image
         for rank, (prediction, heatmap) in enumerate(
             zip(result.explained, result.heatmaps, strict=True)
         ):
@@ -294,10 +360,13 @@ class _Job:
     ) -> dict[str, str]:
         files = {}
         alpha, colormap = self.render.alpha, self.render.colormap
+        image = result.image  # kept whenever an overlay or a panel is drawn
         if self.outputs.overlay:
+            assert image is not None
             files["overlay"] = f"{stem}_overlay.png"
-            _save_png(overlay(result.image, heatmap, alpha, colormap), self.out / files["overlay"])
+            _save_png(overlay(image, heatmap, alpha, colormap), self.out / files["overlay"])
         if self.outputs.panel and item.frame is None:
+            assert image is not None
             files["panel"] = f"{stem}_panel.png"
             shown = (
                 f"p={prediction.probability:.2f}"
@@ -307,7 +376,7 @@ class _Job:
             layers = ", ".join(result.layers)
             title = f"{prediction.name}: {shown} ({result.method}, layer {layers})"
             with _FIGURES:
-                figure = panel(result.image, heatmap, title=title, alpha=alpha, colormap=colormap)
+                figure = panel(image, heatmap, title=title, alpha=alpha, colormap=colormap)
                 save(figure, self.out / files["panel"])
         if self.outputs.heatmap is not None:
             suffix = ".npz" if self.outputs.heatmap == "npz" else ".png"
@@ -378,7 +447,7 @@ def _settings(
         "model": loaded.name,
         "classes": len(loaded.categories),
         "method": method,
-        "layer": layer if isinstance(layer, (str, type(None))) else list(layer),
+        "layer": _layer_setting(loaded.model, layer),
         "target": _target_text(target),
         "alpha": render.alpha,
         "colormap": render.colormap,
@@ -391,6 +460,21 @@ def _settings(
 
 def _target_text(target: Target) -> int | str | None:
     return target if isinstance(target, (int, str, type(None))) else repr(target)
+
+
+def _layer_setting(
+    model: torch.nn.Module, layer: Layer | Sequence[Layer] | None
+) -> str | list[str] | None:
+    """``layer`` as JSON: names and patterns as given, a submodule by its name in ``model``."""
+
+    def named(one: Layer) -> str:
+        return one if isinstance(one, str) else next(iter(resolve_layers(model, one)))
+
+    if layer is None:
+        return None
+    if isinstance(layer, (str, torch.nn.Module)):
+        return named(layer)
+    return [named(one) for one in layer]
 
 
 def _check_settings(out: Path, settings: dict[str, Any]) -> None:
@@ -427,14 +511,24 @@ def _read_manifest(out: Path) -> dict[str, Any] | None:
 
 def _write_manifest(out: Path, content: dict[str, Any]) -> None:
     with atomic_write(out / MANIFEST, "w") as file:
-        file.write(json.dumps(content, indent=2) + "\n")
+        file.write(manifest.dumps(content, indent=2) + "\n")
 
 
-def _finish(out: Path, items: list[Item], settings: dict[str, Any], every: int) -> None:
+def _finish(
+    out: Path, items: list[Item], settings: dict[str, Any], every: int, already_done: int
+) -> None:
     """Merge the rows, write the overlay videos and the complete ``manifest.json``."""
-    rows = manifest.merge(out, [item.key for item in items])
+    previous = _read_manifest(out) or {}
+    rows, others = manifest.merge(out, [item.key for item in items])
     explained = [row for row in rows if row["status"] == "ok"]
     videos = _write_videos(out, items, rows, every) if settings["overlay"] else []
+    current = {name for row in explained for name in row["files"]}
+    current.update(video["file"] for video in videos)
+    earlier = [name for row in others for name in row.get("files", [])]
+    earlier += [
+        video.get("file") for video in previous.get("videos", []) if isinstance(video, dict)
+    ]
+    earlier += previous.get("other_files", [])
     _write_manifest(
         out,
         {
@@ -443,10 +537,22 @@ def _finish(out: Path, items: list[Item], settings: dict[str, Any], every: int) 
             "layers": explained[0]["layers"] if explained else None,
             "target": settings["target"],
             "complete": True,
-            "counts": {"ok": len(explained), "error": len(rows) - len(explained)},
+            "counts": {
+                "ok": len(explained),
+                "error": len(rows) - len(explained),
+                "already_done": already_done,
+            },
             "settings": settings,
-            "images": rows,
+            "rows": manifest.ROWS,
+            "failures": [row for row in rows if row["status"] != "ok"],
             "videos": videos,
+            "other_files": sorted(
+                {
+                    name
+                    for name in earlier
+                    if isinstance(name, str) and name not in current and (out / name).is_file()
+                }
+            ),
         },
     )
 
@@ -476,7 +582,7 @@ def _write_videos(
     return videos
 
 
-def _check_out_dir(out: Path) -> None:
+def check_out_dir(out: Path) -> None:
     """Fail early, before any work, if ``out`` cannot become a folder we write into."""
     existing = next(folder for folder in (out, *out.parents) if folder.exists())
     if not existing.is_dir():
@@ -486,15 +592,3 @@ def _check_out_dir(out: Path) -> None:
         )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise CamvizError(f"output folder {str(out)!r} is not writable; pass --out another folder")
-
-
-def _make_out_dir(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as error:
-        reason = error.strerror or type(error).__name__
-        raise CamvizError(
-            f"cannot write to output folder {str(out)!r} ({reason}); pass --out a writable folder"
-        ) from None

@@ -9,12 +9,17 @@ distributed run appends to its own part, ``manifest.rank<R>.jsonl``; a run alone
 On restart every row is read back, from ``manifest.jsonl`` and from any parts an
 interrupted run left. An input counts as done when its latest row says ``"ok"`` and every
 file it lists exists; anything else is done again. A row cut short by a crash is the last
-line of its file and is ignored.
+line of its file and is ignored; a row that could not be written whole (a full disk) is cut
+off again, so the log never holds half a line that a later row would follow.
+
+Every row is strict JSON: a float that is not finite is written as ``null``, never as the
+``NaN`` that Python's ``json`` would write and other readers refuse.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -27,10 +32,28 @@ from camviz.pipeline.inputs import item_key
 #: The merged row log, one JSON object per line.
 ROWS = "manifest.jsonl"
 
+#: The run's summary (settings, counts, failures, videos).
+SUMMARY = "manifest.json"
+
 _PART = "manifest.rank{rank}.jsonl"
 _PARTS = "manifest.rank*.jsonl"
 
 Row = dict[str, Any]
+
+
+def dumps(content: Any, **options: Any) -> str:
+    """``content`` as strict JSON: floats that are not finite become ``null``."""
+    return json.dumps(_finite(content), allow_nan=False, **options)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def row_key(row: Row) -> str:
@@ -52,21 +75,30 @@ class RowLog:
 
     def __init__(self, path: Path) -> None:
         self._lock = threading.Lock()
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
-        if self._file.tell() > 0 and not _ends_with_newline(path):
+        self._descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        if os.fstat(self._descriptor).st_size > 0 and not _ends_with_newline(path):
             # A crash cut the last row short: end that line, so the next row stands alone.
-            self._file.write("\n")
+            self._write(b"\n")
 
     def append(self, row: Row) -> None:
-        """Write ``row`` as one line and flush it to the operating system."""
-        line = json.dumps(row) + "\n"
+        """Write ``row`` as one line, straight to the operating system."""
+        line = (dumps(row) + "\n").encode("utf-8")
         with self._lock:
-            self._file.write(line)
-            self._file.flush()
+            self._write(line)
+
+    def _write(self, data: bytes) -> None:
+        size = os.fstat(self._descriptor).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._descriptor, view) :]
+        except OSError:
+            os.ftruncate(self._descriptor, size)  # no half line left behind
+            raise
 
     def close(self) -> None:
         """Close the file."""
-        self._file.close()
+        os.close(self._descriptor)
 
 
 def _ends_with_newline(path: Path) -> bool:
@@ -110,22 +142,40 @@ def finished(out: Path, rows: dict[str, Row]) -> set[str]:
     }
 
 
-def merge(out: Path, keys: Sequence[str]) -> list[Row]:
+def merge(out: Path, keys: Sequence[str]) -> tuple[list[Row], list[Row]]:
     """Write ``manifest.jsonl`` with the latest row of each of ``keys``, in that order.
 
     The file is replaced atomically, then the per-process parts are removed; a crash
     in between leaves parts whose rows the merged file already holds, which is harmless.
 
     Returns:
-        The rows written.
+        The rows written, and the rows of inputs not in ``keys`` (an earlier run's), which
+        the merged file no longer holds.
     """
     latest = read_rows(out)
-    rows = [latest[key] for key in keys if key in latest]
+    rows = [latest.pop(key) for key in keys if key in latest]
     with atomic_write(out / ROWS, "w") as file:
-        file.writelines(json.dumps(row) + "\n" for row in rows)
+        file.writelines(dumps(row) + "\n" for row in rows)
     for part in out.glob(_PARTS):
         part.unlink()
-    return rows
+    return rows, list(latest.values())
+
+
+def written_files(out: Path) -> set[Path]:
+    """Every file that ``out``'s manifests say camviz wrote there (rows, videos, others).
+
+    These are never inputs: explaining them would explain camviz's own overlays.
+    """
+    names = [name for row in read_rows(out).values() for name in row.get("files") or []]
+    try:
+        summary = json.loads((out / SUMMARY).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        summary = {}
+    if isinstance(summary, dict):
+        videos = summary.get("videos") or []
+        names += [video.get("file") for video in videos if isinstance(video, dict)]
+        names += summary.get("other_files") or []
+    return {out / name for name in names if isinstance(name, str)}
 
 
 def remove_temporaries(out: Path) -> list[Path]:

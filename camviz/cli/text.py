@@ -1,0 +1,68 @@
+"""What the command line prints: safe names, aligned tables, help that shows defaults."""
+
+from __future__ import annotations
+
+import argparse
+import unicodedata
+from collections.abc import Sequence
+
+# Characters that change how a terminal shows what follows: bidirectional overrides and
+# isolates (a file name could reverse the rest of the line).
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped (``\\x1b``, ``\\n``), on one line.
+
+    File names may hold terminal escape sequences and newlines; printed raw they could
+    rewrite the terminal or forge lines, so every name and message the command line
+    prints goes through here.
+    """
+    return "".join(
+        _escaped(character)
+        if unicodedata.category(character) == "Cc" or character in _BIDI_CONTROLS
+        else character
+        for character in text
+    )
+
+
+def _escaped(character: str) -> str:
+    escaped = repr(character)[1:-1]  # '\n', '\x1b', '\u202e'
+    return escaped if escaped != character else f"\\x{ord(character):02x}"
+
+
+def aligned(header: Sequence[str], rows: Sequence[Sequence[str]], gap: int = 2) -> str:
+    """``rows`` under ``header`` in left-aligned columns (the last column is not padded)."""
+    table = [list(header), *[list(row) for row in rows]]
+    widths = [max(len(row[column]) for row in table) for column in range(len(header))]
+    lines = []
+    for row in table:
+        cells = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=False)]
+        lines.append((" " * gap).join([*cells, row[-1]]).rstrip())
+    return "\n".join(lines)
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that ends each option with its default, unless the text already says it.
+
+    Options without a meaningful default (``None``, ``False``, flags) stay as they are.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text.lower()
+            or default in (None, False, argparse.SUPPRESS)
+            or action.option_strings == []
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """A subcommand's parser: help with defaults shown (see :class:`DefaultsFormatter`)."""
+
+    def __init__(self, **options: object) -> None:
+        options.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(**options)  # type: ignore[arg-type]
