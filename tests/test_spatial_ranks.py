@@ -9,7 +9,7 @@ from reference import leaf_activations_and_gradients
 from torch import nn
 
 import camviz
-from camviz.cams.registry import names
+from camviz.cams.registry import get, names
 from camviz.core.errors import CamvizError
 
 
@@ -77,7 +77,12 @@ def as_rank(signal: torch.Tensor, rank: int) -> torch.Tensor:
 METHOD_OPTIONS = {"sscam": {"num_samples": 2, "seed": 0}, "smooth_gradcam++": {"samples": 2}}
 
 
-@pytest.mark.parametrize("method", names())
+# Methods defined only for images (SESS slides square windows) or for one kind of model
+# (LeGrad: vision transformers) say so in one line; test_methods_elsewhere checks that.
+GENERAL = [name for name in names() if get(name).spatial_ranks == (1, 2, 3) and name != "legrad"]
+
+
+@pytest.mark.parametrize("method", GENERAL)
 def test_every_method_gives_the_2d_maps_on_1d_signals_and_3d_volumes(twins, signal, method):
     options = METHOD_OPTIONS.get(method, {})
     maps = {}
@@ -101,6 +106,13 @@ def test_every_method_gives_the_2d_maps_on_1d_signals_and_3d_volumes(twins, sign
     torch.testing.assert_close(layer_maps[2], layer_maps[1], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(layer_maps[3], layer_maps[1], atol=1e-5, rtol=1e-4)
     assert bool(flat[1].abs().amax(1).gt(1e-3).all()), "a map with no evidence proves nothing"
+
+
+@pytest.mark.parametrize("method", sorted(set(names()) - set(GENERAL)))
+def test_methods_defined_elsewhere_say_so_in_one_line(twins, signal, method):
+    with pytest.raises(CamvizError) as error:
+        camviz.explain(twins[1], signal, method, layer="1")
+    assert "\n" not in str(error.value) and method in str(error.value)
 
 
 def hand_gradcam(model, inputs, layer, classes, relu=True):
@@ -258,5 +270,5 @@ class ClassTokenHead(nn.Module):
 
 def test_a_default_layer_with_all_zero_maps_is_reported_in_one_line(untouched):
     model = ClassTokenHead().eval()
-    with untouched(model), pytest.raises(CamvizError, match="gets no gradient at any location"):
+    with untouched(model), pytest.raises(CamvizError, match="does not depend on the default layer"):
         camviz.explain(model, torch.randn(2, 3, 32, 32))

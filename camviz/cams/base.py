@@ -71,16 +71,6 @@ class LayerData:
             return self.model(inputs)
         return self.batch.run(self.model, inputs, rows)
 
-
-def grid_dims(tensor: torch.Tensor) -> tuple[int, ...]:
-    """The grid axes of an ``(N, C, *grid)`` tensor: ``(2,)``, ``(2, 3)`` or ``(2, 3, 4)``."""
-    return tuple(range(2, tensor.dim()))
-
-
-def weighted_sum(weights: torch.Tensor, activations: torch.Tensor) -> torch.Tensor:
-    """``sum_k w_k A^k``: ``(N, C)`` weights and ``(N, C, *grid)`` maps to ``(N, *grid)``."""
-    return (weights.view(*weights.shape, *[1] * (activations.dim() - 2)) * activations).sum(1)
-
     @property
     def dy_da(self) -> torch.Tensor:
         """``gradients``, for a method that needs them (its ``uses_gradients`` is true)."""
@@ -92,6 +82,16 @@ def weighted_sum(weights: torch.Tensor, activations: torch.Tensor) -> torch.Tens
         return self.gradients
 
 
+def grid_dims(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The grid axes of an ``(N, C, *grid)`` tensor: ``(2,)``, ``(2, 3)`` or ``(2, 3, 4)``."""
+    return tuple(range(2, tensor.dim()))
+
+
+def weighted_sum(weights: torch.Tensor, activations: torch.Tensor) -> torch.Tensor:
+    """``sum_k w_k A^k``: ``(N, C)`` weights and ``(N, C, *grid)`` maps to ``(N, *grid)``."""
+    return (weights.view(*weights.shape, *[1] * (activations.dim() - 2)) * activations).sum(1)
+
+
 class CamMethod:
     """A CAM method. Subclasses set the class attributes and implement :meth:`layer_map`.
 
@@ -101,6 +101,8 @@ class CamMethod:
         needs: What it needs from the engine, for the docs table (``"gradients"``).
         uses_gradients: Whether the engine must compute ``dy/dA`` (wrappers of another
             method set it per instance).
+        spatial_ranks: The input ranks the method is defined for (1: signals, 2: images,
+            3: volumes and clips); the engine refuses the others in one line.
         fuse: How the maps of several target layers combine when the method prescribes it
             (RefineCAM multiplies them); ``None`` leaves it to :func:`camviz.explain`.
     """
@@ -109,6 +111,7 @@ class CamMethod:
     paper: ClassVar[str]
     needs: ClassVar[str] = "gradients"
     uses_gradients: bool = True
+    spatial_ranks: ClassVar[tuple[int, ...]] = (1, 2, 3)
     fuse: ClassVar[Literal["mean", "max", "product"] | None] = None
 
     @classmethod

@@ -326,6 +326,13 @@ def explain(
     target = cam.explained_target(target)
     scales = _aug_scales(aug_smooth, target)
     batch = as_inputs(inputs, model, map_input)
+    rank = batch.main.dim() - 2
+    if rank not in cam.spatial_ranks:
+        kinds = {1: "signals (N, C, L)", 2: "images (N, C, H, W)", 3: "volumes (N, C, D, H, W)"}
+        raise CamvizError(
+            f"{cam.name} is defined for {' and '.join(kinds[r] for r in cam.spatial_ranks)}, "
+            f"not {kinds[rank]}; pick another method (`camviz methods`)"
+        )
     with exclusive(model), eval_mode(model):
         layers = (
             [default_target_layer(model, batch)] if layer is None else spot_keys(model, layer, at)
