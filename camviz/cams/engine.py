@@ -485,8 +485,8 @@ def layer_data(
             "inputs (windows, frames or heads folded into the batch); pick a layer whose "
             "output keeps one row per input"
         )
-    if kind is None and not parse(name).path:
-        kind = module_kind(model.get_submodule(parse(name).name))
+    if kind is None:  # a method's own pass: the kind the module or an earlier pass told
+        kind = _known_kind(model, name, batch, {})
     layout = _layout(name, output, batch.main, model, kind)
     activations = layout.to_spatial(output)
     ranks = []

@@ -100,8 +100,16 @@ class CallLog:
 @contextlib.contextmanager
 def record_calls(model: nn.Module) -> Iterator[CallLog]:
     """Record every named module's call (kind, output shape) while the block runs, and
-    where each module's first call began (:attr:`CallLog.starts`, for its input)."""
+    where each module's first call began (:attr:`CallLog.starts`, for its input). The
+    model's own tensor inputs come first, as channels first ``(N, C, *spatial)``: a layer
+    that passes one on unchanged (an ``Identity``) is read like it."""
     log = CallLog()
+
+    def on_model_input(module: nn.Module, args: Any) -> None:
+        if not log.calls:
+            for value in args:
+                if isinstance(value, torch.Tensor) and value.dim() >= 3:
+                    log.calls.append(Call("", "channels_first", tuple(value.shape)))
 
     def on_input(name: str, module: nn.Module, args: Any) -> None:
         log.starts.setdefault(name, len(log.calls))
@@ -111,6 +119,7 @@ def record_calls(model: nn.Module) -> Iterator[CallLog]:
         log.calls.append(Call(name, kind, shape))
 
     with HookSet() as hooks:
+        hooks.add(model.register_forward_pre_hook(on_model_input))
         for name, module in model.named_modules():
             if name:
                 hooks.add(module.register_forward_pre_hook(partial(on_input, name)))

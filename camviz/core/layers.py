@@ -166,8 +166,8 @@ def _output_kind(log: CallLog, index: int, rank: int) -> str | None:
     """``"spatial"``, ``"tokens"`` or ``None``: what the output of call ``index`` is."""
     call = log.calls[index]
     shape = call.shape
-    if shape is None or len(shape) < 3:
-        return None
+    if not call.name or shape is None or len(shape) < 3:
+        return None  # the model's input, or no map
     kind = call.kind or log.producer_kind(shape, index)
     if len(shape) == rank + 2 and (rank > 1 or kind == "channels_first"):
         grid = shape[1:-1] if kind == "channels_last" else shape[2:]
