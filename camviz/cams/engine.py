@@ -328,10 +328,10 @@ def explain(
     batch = as_inputs(inputs, model, map_input)
     rank = batch.main.dim() - 2
     if rank not in cam.spatial_ranks:
-        kinds = {1: "signals (N, C, L)", 2: "images (N, C, H, W)", 3: "volumes (N, C, D, H, W)"}
+        shapes = {1: "signals (N, C, L)", 2: "images (N, C, H, W)", 3: "volumes (N, C, D, H, W)"}
         raise CamvizError(
-            f"{cam.name} is defined for {' and '.join(kinds[r] for r in cam.spatial_ranks)}, "
-            f"not {kinds[rank]}; pick another method (`camviz methods`)"
+            f"{cam.name} is defined for {' and '.join(shapes[r] for r in cam.spatial_ranks)}, "
+            f"not {shapes[rank]}; pick another method (`camviz methods`)"
         )
     with exclusive(model), eval_mode(model):
         layers = (
