@@ -28,3 +28,14 @@ def leaf_activations_and_gradients(
     finally:
         handle.remove()
     return saved["A"].detach(), gradients
+
+
+def principal_projection(features: torch.Tensor) -> torch.Tensor:
+    """Each ``(C, h, w)`` map's locations projected on the top eigenvector of the channels'
+    covariance (eigh, not SVD), signed to correlate with the channel sum; ``(N, h, w)``."""
+    observations = features.double().flatten(2).transpose(1, 2)
+    centred = observations - observations.mean(1, keepdim=True)
+    _, vectors = torch.linalg.eigh(centred.transpose(1, 2) @ centred)
+    projection = (centred @ vectors[..., -1:]).squeeze(-1)
+    sign = torch.sign((projection * observations.sum(-1)).sum(-1, keepdim=True))
+    return (projection * sign).view(features.shape[0], *features.shape[2:]).float()

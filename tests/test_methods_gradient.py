@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from PIL import Image
-from reference import leaf_activations_and_gradients
+from reference import leaf_activations_and_gradients, principal_projection
 from torch import nn
 
 import camviz
@@ -136,17 +136,6 @@ def gradcam_pp(a, g, moments=None):
 def xgradcam(a, g):
     weights = (a / a.sum(dim=(2, 3), keepdim=True) * g).sum(dim=(2, 3), keepdim=True)
     return (weights * a).sum(1)
-
-
-def principal_projection(features):
-    """Projection on the top eigenvector of the covariance (eigh, not SVD), signed to
-    correlate with the channel sum."""
-    observations = features.double().flatten(2).transpose(1, 2)
-    centred = observations - observations.mean(1, keepdim=True)
-    _, vectors = torch.linalg.eigh(centred.transpose(1, 2) @ centred)
-    projection = (centred @ vectors[..., -1:]).squeeze(-1)
-    sign = torch.sign((projection * observations.sum(-1)).sum(-1, keepdim=True))
-    return (projection * sign).view(features.shape[0], *features.shape[2:]).float()
 
 
 PAPER_FORMULAS = {
@@ -750,3 +739,151 @@ def test_input_gradient_maps_move_towards_the_explained_object(offline_model, ca
     assert cat_share > cup_share + 0.05
     state = state_of(offline_model.model)
     assert not any(state["hooks"]) and all(grad is None for grad in state["grads"])
+
+
+# --- Options and second-order methods ------------------------------------------------------
+
+
+# The terms W^k (*) A^k whose channel sum is each channel-map method's map.
+WEIGHTED_ACTIVATIONS = {
+    "gradcam": lambda a, g: g.mean(dim=(2, 3), keepdim=True) * a,
+    "hirescam": lambda a, g: g * a,
+    "layercam": lambda a, g: torch.relu(g) * a,
+    "gradcam_elementwise": lambda a, g: torch.relu(g * a),
+    "xgradcam": lambda a, g: (a / a.sum(dim=(2, 3), keepdim=True) * g).sum((2, 3), True) * a,
+}
+
+
+@pytest.mark.parametrize("method", list(WEIGHTED_ACTIVATIONS))
+def test_eigen_smooth_is_the_principal_component_of_the_weighted_activations(method, tiny_inputs):
+    model = TinyNet()
+    known = closed_form(model, tiny_inputs, CLASSES)
+    result = camviz.explain(model, tiny_inputs, method, "norm", CLASSES, eigen_smooth=True)
+    terms = WEIGHTED_ACTIVATIONS[method](known["z"], known["grad_z"])
+    expected = minmax(torch.relu(principal_projection(terms)))
+    torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
+    plain = camviz.explain(model, tiny_inputs, method, "norm", CLASSES)
+    assert (plain.layer_maps - result.layer_maps).abs().max() > 0.05
+
+
+def as_peer_map(raw: torch.Tensor, size) -> torch.Tensor:
+    """ReLU, normalise, upsample, normalise: how both libraries turn a raw map into a heatmap."""
+    from camviz.core.maps import normalize, upsample
+
+    return minmax(upsample(normalize(torch.relu(raw)), size))
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize(
+    ("method", "peer", "layer"),
+    [("gradcam", "GradCAM", "layer4"), ("layercam", "LayerCAM", "layer3")],
+)
+def test_eigen_smooth_matches_pytorch_grad_cam_up_to_its_random_sign(
+    resnet18, small_batch, method, peer, layer
+):
+    import pytorch_grad_cam
+    from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
+
+    model = copy.deepcopy(resnet18)
+    module = dict(model.named_modules())[layer]
+    with getattr(pytorch_grad_cam, peer)(model=model, target_layers=[module]) as cam:
+        targets = [ClassifierOutputTarget(3), ClassifierOutputTarget(7)]
+        theirs = torch.from_numpy(cam(small_batch, targets=targets, eigen_smooth=True))
+    a, g = leaf_activations_and_gradients(resnet18, small_batch, layer, [3, 7])
+    data = LayerData(layer, a, g, resnet18, small_batch, None, None)
+    raw = camviz.cams.get(method)(eigen_smooth=True).layer_map(data)
+    ours = camviz.explain(resnet18, small_batch, method, layer, [3, 7], eigen_smooth=True)
+    torch.testing.assert_close(as_peer_map(raw, (64, 64)), renormalised(ours))
+    for sample in range(2):
+        # pytorch-grad-cam keeps the SVD's sign: its map is one of the two signed projections.
+        candidates = [as_peer_map(sign * raw[sample : sample + 1], (64, 64))[0] for sign in (1, -1)]
+        assert min((theirs[sample] - c).abs().max() for c in candidates) < 1e-4
+
+
+def test_eigencam_without_centring_projects_on_the_top_singular_vector(tiny_inputs):
+    model = TinyNet()
+    z = closed_form(model, tiny_inputs, CLASSES)["z"].double()
+    observations = z.flatten(2).transpose(1, 2)  # (N, h w, C), not centred
+    _, vectors = torch.linalg.eigh(observations.transpose(1, 2) @ observations)
+    projection = (observations @ vectors[..., -1:]).squeeze(-1)
+    projection = projection * torch.sign((projection * observations.sum(-1)).sum(-1, keepdim=True))
+    expected = minmax(torch.relu(projection.view(2, 5, 5).float()))
+    result = camviz.explain(model, tiny_inputs, "eigencam", "norm", CLASSES, center=False)
+    torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
+    centred = camviz.explain(model, tiny_inputs, "eigencam", "norm", CLASSES)
+    assert (centred.layer_maps - result.layer_maps).abs().max() > 0.05
+
+
+def seg_eigen_projection(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Seg-Eigen-CAM's equations 10-13: |g| * A, centred, its top principal direction (eigh),
+    the projection negated where its minimum is larger in size than its maximum."""
+    observations = (g.abs() * a).double().flatten(2).transpose(1, 2)
+    centred = observations - observations.mean(1, keepdim=True)
+    _, vectors = torch.linalg.eigh(centred.transpose(1, 2) @ centred)
+    projection = (centred @ vectors[..., -1:]).squeeze(-1)
+    flip = projection.amin(1).abs() > projection.amax(1).abs()
+    projection = torch.where(flip[:, None], -projection, projection)
+    return projection.view(a.shape[0], *a.shape[2:]).float()
+
+
+def test_segeigencam_equals_the_paper_formula(tiny_inputs):
+    model = TinyNet()
+    known = closed_form(model, tiny_inputs, CLASSES)
+    result = camviz.explain(model, tiny_inputs, "segeigencam", "norm", CLASSES)
+    expected = minmax(torch.relu(seg_eigen_projection(known["z"], known["grad_z"])))
+    torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("layer", ["layer4", "layer3"])
+def test_segeigencam_matches_pytorch_grad_cam(resnet18, small_batch, layer):
+    from pytorch_grad_cam import SegEigenCAM
+
+    theirs = pytorch_grad_cam_maps(SegEigenCAM, resnet18, small_batch, layer, [3, 7])
+    ours = camviz.explain(resnet18, small_batch, "segeigencam", layer=layer, target=[3, 7])
+    torch.testing.assert_close(renormalised(ours), theirs, atol=1e-5, rtol=0)
+
+
+def test_shapleycam_equals_the_paper_formula_after_a_smooth_activation(tiny_inputs):
+    # TinyNet with tanh: y_c = <V_c, tanh(z)> + b_c, so dy/dz = V (1 - t^2) and the Hessian
+    # is diagonal, V tanh''(z) = -2 V t (1 - t^2) with t = tanh(z): H z = -2 V t (1 - t^2) z.
+    model = TinyNet(torch.tanh)
+    known = closed_form(model, tiny_inputs, CLASSES)
+    z, heads = known["z"], known["V"]
+    t = torch.tanh(z)
+    gradient = heads * (1 - t**2)
+    hessian_product = -2 * heads * t * (1 - t**2) * z
+    weights = (gradient - 0.5 * hessian_product).mean(dim=(2, 3), keepdim=True)
+    expected = minmax(torch.relu((weights * z).sum(1)))
+    result = camviz.explain(model, tiny_inputs, "shapleycam", "norm", CLASSES)
+    torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
+    gradcam = camviz.explain(model, tiny_inputs, "gradcam", "norm", CLASSES)
+    assert (gradcam.layer_maps - result.layer_maps).abs().max() > 0.05
+
+
+def test_shapleycam_is_gradcam_where_the_later_layers_are_piecewise_linear(tiny_inputs):
+    model = TinyNet()  # ReLU after the target: H A = 0
+    shapley = camviz.explain(model, tiny_inputs, "shapleycam", "norm", CLASSES)
+    gradcam = camviz.explain(model, tiny_inputs, "gradcam", "norm", CLASSES)
+    torch.testing.assert_close(shapley.layer_maps, gradcam.layer_maps)
+
+
+@pytest.mark.peers
+def test_shapleycam_matches_pytorch_grad_cam(tiny_inputs, untouched):
+    from pytorch_grad_cam import ShapleyCAM
+
+    model = TinyNet(torch.tanh)
+    theirs = pytorch_grad_cam_maps(ShapleyCAM, model, tiny_inputs, "norm", CLASSES)
+    with untouched(model):
+        ours = camviz.explain(model, tiny_inputs, "shapleycam", layer="norm", target=CLASSES)
+    torch.testing.assert_close(renormalised(ours), theirs, atol=1e-5, rtol=0)
+
+
+def test_shapleycam_ranks_of_a_top_k_target_are_each_their_own_class(tiny_inputs):
+    # One pass serves every rank: the graph kept for the Hessian must serve them all.
+    model = TinyNet(torch.tanh)
+    ranked = camviz.explain(model, tiny_inputs, "shapleycam", "norm", "top2")
+    for rank in range(2):
+        classes = ranked.targets.view(2, 2)[:, rank]
+        alone = camviz.explain(model, tiny_inputs, "shapleycam", "norm", classes)
+        torch.testing.assert_close(ranked.layer_maps.view(2, 2, 5, 5)[:, rank], alone.layer_maps)

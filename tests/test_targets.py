@@ -242,3 +242,25 @@ def test_a_callable_target_is_scored_as_given_and_has_no_class_id():
     torch.testing.assert_close(result.layer_maps, by_class.layer_maps)
     torch.testing.assert_close(result.scores, 2 * by_class.scores)
     assert result.targets.tolist() == [-1, -1]
+
+
+# Probabilities ----------------------------------------------------------------------------
+
+
+def test_probability_scores_read_the_softmax_over_classes():
+    from camviz.core.targets import probability_score
+
+    p = LOGITS.softmax(dim=1)
+    (class_score,), _ = score_fns([1, 0], LOGITS)
+    torch.testing.assert_close(probability_score(class_score)(LOGITS), p[[0, 1], [1, 0]])
+    (contrast,), _ = score_fns(Contrast(1, 3), {"logits": LOGITS})
+    expected = p[:, 1] - p[:, 3]
+    torch.testing.assert_close(probability_score(contrast)({"logits": LOGITS}), expected)
+    segmentation = torch.randn(2, 3, 2, 2, generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[True, False], [False, True]])
+    (region,), _ = score_fns(Region(2, mask), segmentation)
+    expected = (segmentation.softmax(dim=1)[:, 2] * mask).sum(dim=(1, 2))
+    torch.testing.assert_close(probability_score(region)(segmentation), expected)
+    (callable_score,), _ = score_fns(lambda out: out[:, 0], LOGITS)
+    with pytest.raises(CamvizError, match="not a callable"):
+        probability_score(callable_score)

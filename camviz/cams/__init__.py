@@ -8,27 +8,35 @@
 
 from camviz.cams import (  # noqa: F401 - importing a method module registers it
     ablationcam,
+    cam,
     eigencam,
+    fem,
     fullgrad,
     gradcam,
     gradcampp,
     guided,
     hirescam,
+    kpcacam,
     layercam,
     legrad,
+    randomcam,
     scorecam,
+    segeigencam,
     sess,
+    shapleycam,
     wrappers,
     xgradcam,
 )
-from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.base import CamMethod, ChannelMapMethod, LayerData
 from camviz.cams.engine import Explanation, explain, layer_pass
-from camviz.cams.registry import get, names, register, table
+from camviz.cams.registry import create, get, names, register, table
 
 __all__ = [
     "CamMethod",
+    "ChannelMapMethod",
     "Explanation",
     "LayerData",
+    "create",
     "explain",
     "get",
     "layer_pass",

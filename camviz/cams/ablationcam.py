@@ -62,6 +62,7 @@ class AblationCAM(PerturbationMethod):
     Args:
         batch_size: Ablated copies per pass of the later layers (bounds memory). ``None``
             takes as many as fit in 128 MiB (``COPIES_MEMORY``), at least one.
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
     name = "ablationcam"

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import torch
 from torch import nn
 
+from camviz.cams.projection import first_principal_component
 from camviz.core.errors import CamvizError
 
 if TYPE_CHECKING:
@@ -35,20 +36,19 @@ class LayerData:
 
     Attributes:
         layer: The layer's name.
-        activations: ``A``, the layer's output as ``(N, C, *grid)``.
+        activations: ``A``, the layer's output, ``(N, C, h, w)``.
         gradients: ``dy/dA`` for the explained score ``y`` of each sample, same shape, or
             ``None`` for methods that do not ask for gradients.
         model: The network (in eval mode while the method runs).
-        inputs: The map input, ``(N, C, *spatial)`` (see :mod:`camviz.core.inputs`).
+        inputs: The input batch, ``(N, 3, H, W)``.
         score: Maps a model output to the ``(N,)`` explained scores.
         class_ids: The explained class of each sample, ``(N,)``, or ``None`` when the
             target is a callable.
         scores: The explained score of each sample in the unperturbed forward pass, ``(N,)``.
         layout: How the layer lays out its own output (:class:`camviz.cams.layout.Layout`;
-            ``activations`` is its ``(N, C, *grid)`` view), for methods that edit the layer.
-        batch: All the model's inputs; methods that run the model call
-            ``batch.run(model, x, rows)`` with a changed map input ``x`` whose row ``r`` was
-            made from sample ``rows[r]`` (the other inputs follow).
+            ``activations`` is its ``(N, C, h, w)`` view), for methods that edit the layer.
+        hessian_products: ``H A``, the Hessian of ``y`` with respect to ``A`` applied to ``A``
+            (same shape), for methods that ask for it (``uses_hessian``); else ``None``.
 
     ``score(output, samples)`` also scores perturbed batches: ``samples`` is the ``(R,)``
     index of the input each output row was made from (``None``: row ``n`` is input ``n``).
@@ -63,10 +63,12 @@ class LayerData:
     class_ids: torch.Tensor | None
     scores: torch.Tensor | None = None
     layout: Layout | None = None
+    hessian_products: torch.Tensor | None = None
     batch: Inputs | None = None
 
     def run(self, inputs: torch.Tensor, rows: torch.Tensor | None = None) -> object:
-        """The model's output with the map input replaced by ``inputs`` (rows: see above)."""
+        """The model's output with the map input replaced by ``inputs``, whose row ``r`` was
+        made from sample ``rows[r]`` (the model's other inputs, if any, follow ``rows``)."""
         if self.batch is None:
             return self.model(inputs)
         return self.batch.run(self.model, inputs, rows)
@@ -82,16 +84,6 @@ class LayerData:
         return self.gradients
 
 
-def grid_dims(tensor: torch.Tensor) -> tuple[int, ...]:
-    """The grid axes of an ``(N, C, *grid)`` tensor: ``(2,)``, ``(2, 3)`` or ``(2, 3, 4)``."""
-    return tuple(range(2, tensor.dim()))
-
-
-def weighted_sum(weights: torch.Tensor, activations: torch.Tensor) -> torch.Tensor:
-    """``sum_k w_k A^k``: ``(N, C)`` weights and ``(N, C, *grid)`` maps to ``(N, *grid)``."""
-    return (weights.view(*weights.shape, *[1] * (activations.dim() - 2)) * activations).sum(1)
-
-
 class CamMethod:
     """A CAM method. Subclasses set the class attributes and implement :meth:`layer_map`.
 
@@ -103,6 +95,8 @@ class CamMethod:
             method set it per instance).
         spatial_ranks: The input ranks the method is defined for (1: signals, 2: images,
             3: volumes and clips); the engine refuses the others in one line.
+        uses_hessian: Whether the engine must also compute ``H A`` (second-order gradients
+            through the layers after the target; wrappers set it per instance too).
         fuse: How the maps of several target layers combine when the method prescribes it
             (RefineCAM multiplies them); ``None`` leaves it to :func:`camviz.explain`.
     """
@@ -111,6 +105,7 @@ class CamMethod:
     paper: ClassVar[str]
     needs: ClassVar[str] = "gradients"
     uses_gradients: bool = True
+    uses_hessian: bool = False
     spatial_ranks: ClassVar[tuple[int, ...]] = (1, 2, 3)
     fuse: ClassVar[Literal["mean", "max", "product"] | None] = None
 
@@ -127,7 +122,7 @@ class CamMethod:
         return target
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
-        """The raw ``(N, *grid)`` map, before ReLU and normalisation."""
+        """The raw ``(N, h, w)`` map, before ReLU and normalisation."""
         raise NotImplementedError
 
     def rank_maps(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
@@ -139,11 +134,53 @@ class CamMethod:
         return [self.layer_map(data) for data in ranks]
 
 
-class ChannelWeighted(CamMethod):
+class ChannelMapMethod(CamMethod):
+    """A method whose map adds up per-channel terms, ``L = sum_k W^k (*) A^k``.
+
+    Subclasses implement :meth:`weighted_activations`, the ``(N, C, h, w)`` terms
+    ``W^k (*) A^k`` (a weight per channel broadcast over the grid, or one per location).
+
+    Args:
+        eigen_smooth: Replace the channel sum by the first principal component of the terms
+            (each location an observation, each channel a variable, centred), as
+            pytorch-grad-cam's ``eigen_smooth``: it keeps the dominant pattern and drops
+            the noise that single channels add. The sign is chosen to correlate with the
+            channel sum (pytorch-grad-cam keeps the SVD's arbitrary sign). Off by default:
+            the methods' papers define the sum.
+    """
+
+    def __init__(self, *, eigen_smooth: bool = False) -> None:
+        if not isinstance(eigen_smooth, bool):
+            raise CamvizError(f"{self.name} needs eigen_smooth=True or False, not {eigen_smooth!r}")
+        self.eigen_smooth = eigen_smooth
+
+    def weighted_activations(self, data: LayerData) -> torch.Tensor:
+        """The ``(N, C, h, w)`` terms ``W^k (*) A^k`` whose channel sum is the raw map."""
+        raise NotImplementedError
+
+    def layer_map(self, data: LayerData) -> torch.Tensor:
+        return self.combine(self.weighted_activations(data))
+
+    def combine(self, weighted: torch.Tensor) -> torch.Tensor:
+        """The ``(N, h, w)`` map of the terms: their channel sum, or with ``eigen_smooth``
+        their first principal component."""
+        if self.eigen_smooth:
+            return first_principal_component(weighted)
+        return weighted.sum(dim=1)
+
+
+def grid_dims(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The grid axes of an ``(N, C, *grid)`` tensor: ``(2,)``, ``(2, 3)`` or ``(2, 3, 4)``."""
+    return tuple(range(2, tensor.dim()))
+
+
+class ChannelWeighted(ChannelMapMethod):
     """A method whose map is a weighted sum of the layer's channels, ``sum_k w_k A^k``.
 
     Subclasses implement :meth:`channel_weights` (or :meth:`rank_weights`, to share work
-    between the ranks of a top-k target).
+    between the ranks of a top-k target); the terms ``w_k A^k`` are combined as every
+    :class:`ChannelMapMethod`'s (summed, or with ``eigen_smooth`` their first principal
+    component), and the engine reports the weights.
     """
 
     def channel_weights(self, data: LayerData) -> torch.Tensor:
@@ -154,9 +191,16 @@ class ChannelWeighted(CamMethod):
         """The ``(N, C)`` weights of every target rank of one layer."""
         return [self.channel_weights(data) for data in ranks]
 
-    def layer_map(self, data: LayerData) -> torch.Tensor:
-        return weighted_sum(self.channel_weights(data), data.activations)
+    def weighted_activations(self, data: LayerData) -> torch.Tensor:
+        return self.terms(self.channel_weights(data), data.activations)
 
     def rank_maps(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
         weights = self.rank_weights(ranks)
-        return [weighted_sum(w, data.activations) for w, data in zip(weights, ranks, strict=True)]
+        return [
+            self.combine(self.terms(w, d.activations)) for w, d in zip(weights, ranks, strict=True)
+        ]
+
+    @staticmethod
+    def terms(weights: torch.Tensor, activations: torch.Tensor) -> torch.Tensor:
+        """``w_k A^k`` for ``(N, C)`` weights: ``(N, C, *grid)``."""
+        return weights.view(*weights.shape, *[1] * (activations.dim() - 2)) * activations

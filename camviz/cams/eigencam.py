@@ -5,36 +5,9 @@ from __future__ import annotations
 import torch
 
 from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.projection import first_principal_component
 from camviz.cams.registry import register
-
-
-def first_principal_component(features: torch.Tensor) -> torch.Tensor:
-    """Each map's projection on its first principal component, signed to follow its strength.
-
-    The ``h * w`` locations of one ``(C, h, w)`` map are the observations and the ``C``
-    channels the variables. The projection is ``U[:, 0] * S[0]`` of the SVD of the centred
-    ``(h * w, C)`` matrix, for the whole batch in one batched :func:`torch.linalg.svd`.
-
-    An SVD's singular vectors are defined up to sign, so the projection alone may come out
-    inverted. It is flipped where it anti-correlates with the channel sum ``sum_k F^k_ij``,
-    so the map is positive where the features are strong.
-
-    Args:
-        features: ``(N, C, h, w)``.
-
-    Returns:
-        ``(N, h, w)`` projections.
-    """
-    observations = features.flatten(2).transpose(1, 2)
-    # The SVD kernels take float32 and float64 only.
-    observations = observations.to(torch.promote_types(observations.dtype, torch.float32))
-    centred = observations - observations.mean(dim=1, keepdim=True)
-    left, singular, _ = torch.linalg.svd(centred, full_matrices=False)
-    projection = left[..., 0] * singular[..., :1]
-    strength = observations.sum(dim=2)
-    agreement = (projection * strength).sum(dim=1, keepdim=True)
-    projection = torch.where(agreement < 0, -projection, projection)
-    return projection.view(features.shape[0], *features.shape[2:])
+from camviz.core.errors import CamvizError
 
 
 @register
@@ -55,6 +28,13 @@ class EigenCAM(CamMethod):
     Compared with pytorch-grad-cam's ``EigenCAM``: the same centring and projection (up to
     float rounding), but pytorch-grad-cam keeps whatever sign its SVD returns, so for some
     images its map is the ReLU of the inverted projection and highlights the weakest regions.
+
+    Args:
+        center: Centre ``O`` over the locations before the SVD (default ``True``). The paper
+            writes the SVD of ``O`` itself; centring makes it a principal component analysis
+            proper, as pytorch-grad-cam does, and the default keeps its maps. Without centring
+            ``v_1`` mostly follows the mean activation of each channel, so the map is close
+            to a plain channel sum.
     """
 
     name = "eigencam"
@@ -65,12 +45,21 @@ class EigenCAM(CamMethod):
     needs = "activations"
     uses_gradients = False
 
+    def __init__(self, center: bool = True) -> None:
+        if not isinstance(center, bool):
+            raise CamvizError(f"{self.name} needs center=True or False, not {center!r}")
+        self.center = center
+
+    def features(self, data: LayerData) -> torch.Tensor:
+        """The ``(N, C, h, w)`` maps whose principal component is taken."""
+        return data.activations
+
     def layer_map(self, data: LayerData) -> torch.Tensor:
-        return first_principal_component(data.activations)
+        return first_principal_component(self.features(data), center=self.center)
 
 
 @register
-class EigenGradCAM(CamMethod):
+class EigenGradCAM(EigenCAM):
     """Eigen-Grad-CAM: Eigen-CAM of the gradient-weighted activations, class-discriminative.
 
     No paper of its own: introduced by pytorch-grad-cam (Gildenblat and contributors, 2021)
@@ -80,6 +69,9 @@ class EigenGradCAM(CamMethod):
 
     signed to correlate with ``sum_k dy^c/dA^k (*) A^k`` (the HiResCAM map), where
     pytorch-grad-cam keeps the SVD's arbitrary sign.
+
+    Args:
+        center: As for :class:`EigenCAM` (default ``True``).
     """
 
     name = "eigen_gradcam"
@@ -87,6 +79,8 @@ class EigenGradCAM(CamMethod):
         "No paper; Eigen-CAM (Muhammad and Yeasin, IJCNN 2020) of gradients x activations, "
         "from pytorch-grad-cam"
     )
+    needs = "gradients"
+    uses_gradients = True
 
-    def layer_map(self, data: LayerData) -> torch.Tensor:
-        return first_principal_component(data.dy_da * data.activations)
+    def features(self, data: LayerData) -> torch.Tensor:
+        return data.dy_da * data.activations

@@ -13,6 +13,11 @@ Inputs of any spatial rank (signals, images, volumes and clips), several inputs
 (:mod:`camviz.core.taps`), and layouts told from the module that produced an output
 (:mod:`camviz.cams.layout`) all meet here.
 
+Methods that need second-order information (ShapleyCAM's ``H A``) get it from the same pass:
+the gradient is taken with ``create_graph=True``, so ``g = dy/d(delta)`` is itself a function
+of ``delta``, and ``torch.autograd.grad(g, delta, grad_outputs=A)`` is the Hessian of ``y``
+with respect to ``A`` applied to ``A``. Only the graph after the layer is walked, twice.
+
 Whatever happens, the model comes back as it was: hooks removed, every module's train/eval
 flag restored, ``requires_grad`` and ``.grad`` never touched.
 
@@ -34,9 +39,9 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 
-from camviz.cams.base import CamMethod, ChannelWeighted, LayerData, weighted_sum
+from camviz.cams.base import CamMethod, ChannelWeighted, LayerData
 from camviz.cams.layout import Layout, as_spatial, layout_kind, layout_of, patch_size
-from camviz.cams.registry import get
+from camviz.cams.registry import create
 from camviz.core.errors import CamvizError
 from camviz.core.finite import first_nonfinite_layer, is_finite
 from camviz.core.hooks import detach_to
@@ -116,6 +121,8 @@ class LayerPass:
             asked for).
         activations: ``{layer: A}``, ``(N, ...)`` copies of each layer's output.
         gradients: ``{layer: [dy_k/dA for each rank k]}``; empty without gradients.
+        hessian_products: ``{layer: [H_k A for each rank k]}``, ``H_k`` the Hessian of
+            ``y_k`` with respect to ``A``; empty unless asked for.
         scores: ``(N, K)`` explained scores.
         score_fns: One function per rank from a model output to ``(N,)`` scores.
         class_ids: ``(N, K)`` explained classes, or ``None`` for a callable target.
@@ -128,6 +135,7 @@ class LayerPass:
     scores: torch.Tensor
     score_fns: list[ScoreFn]
     class_ids: torch.Tensor | None
+    hessian_products: dict[str, list[torch.Tensor]]
     calls: CallLog | None = None
 
 
@@ -162,6 +170,7 @@ def layer_pass(
     *,
     gradients: bool = True,
     output_key: str | int | None = None,
+    hessian: bool = False,
     record: bool = False,
 ) -> LayerPass:
     """Run the model once and record activations (and exact gradients) at ``layers``.
@@ -169,12 +178,14 @@ def layer_pass(
     The building block under every method: :func:`explain` calls it once, and methods
     that average over noisy or augmented inputs call it once per variant. The model must
     already be in the mode wanted (``explain`` puts it in eval mode). ``layers`` are spot
-    keys (:mod:`camviz.core.taps`); ``record`` also logs every module call (for layouts).
+    keys (:mod:`camviz.core.taps`); ``hessian=True`` (with ``gradients``) also records ``H A``
+    at each layer (see the module docstring); ``record`` also logs every module call (for
+    layouts).
     """
     batch = inputs if isinstance(inputs, Inputs) else Inputs((inputs,), {}, 0, len(inputs))
     # A caller's inference mode would stop the graph too.
     with exclusive(model), torch.inference_mode(False):
-        return _layer_pass(model, batch, layers, target, gradients, output_key, record)
+        return _layer_pass(model, batch, layers, target, gradients, output_key, hessian, record)
 
 
 def _layer_pass(
@@ -184,7 +195,8 @@ def _layer_pass(
     target: Target,
     gradients: bool,
     output_key: str | int | None,
-    record: bool,
+    hessian: bool = False,
+    record: bool = False,
 ) -> LayerPass:
     taps = {name: _Tap(name, gradients) for name in layers}
     log = None
@@ -207,6 +219,8 @@ def _layer_pass(
             deltas.append(tap.delta)
     fns, ids = score_fns(target, output, output_key)
     per_rank: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if gradients else {}
+    hessian = hessian and gradients
+    products: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if hessian else {}
     scores = []
     with torch.enable_grad():
         for rank, score_fn in enumerate(fns):
@@ -221,10 +235,16 @@ def _layer_pass(
                     "pick a layer before the model's output"
                 )
             grads = torch.autograd.grad(
-                score.sum(), deltas, retain_graph=rank < len(fns) - 1, allow_unused=True
+                score.sum(),
+                deltas,
+                retain_graph=hessian or rank < len(fns) - 1,
+                create_graph=hessian,
+                allow_unused=True,
             )
             for name, delta, grad in zip(layers, deltas, grads, strict=True):
-                per_rank[name].append(torch.zeros_like(delta) if grad is None else grad)
+                per_rank[name].append(torch.zeros_like(delta) if grad is None else grad.detach())
+                if hessian:
+                    products[name].append(_hessian_product(grad, delta, activations[name]))
     return LayerPass(
         output=detach_to(output, None),
         activations=activations,
@@ -232,8 +252,25 @@ def _layer_pass(
         scores=torch.stack(scores, dim=1),
         score_fns=fns,
         class_ids=ids,
+        hessian_products=products,
         calls=log,
     )
+
+
+def _hessian_product(
+    gradient: torch.Tensor | None, delta: torch.Tensor, activation: torch.Tensor
+) -> torch.Tensor:
+    """``H A``: the derivative of ``gradient`` (``dy/d(delta)``, with its graph) along ``A``.
+
+    Zero where the gradient does not depend on ``delta`` (the layers after the target are
+    piecewise linear in it, as with ReLU networks, or do not use it).
+    """
+    if gradient is None or not gradient.requires_grad:
+        return torch.zeros_like(delta)
+    (product,) = torch.autograd.grad(
+        gradient, delta, grad_outputs=activation, retain_graph=True, allow_unused=True
+    )
+    return torch.zeros_like(delta) if product is None else product
 
 
 def explain(
@@ -303,7 +340,9 @@ def explain(
         relu: Apply the ReLU of the CAM formulas. ``False`` keeps signed maps.
         normalize: Normalise each map (min-max after ReLU, else divided by its largest
             absolute value). ``False`` returns the method's map in its own units.
-        **options: Passed to the method's constructor (e.g. ``batch_size``).
+        **options: Passed to the method's constructor (e.g. ``batch_size``, ``eigen_smooth``;
+            each method's docstring lists its own); an option the method does not take is a
+            :class:`CamvizError`.
 
     Returns:
         An :class:`Explanation`.
@@ -320,7 +359,15 @@ def explain(
             f"method must be a method name (camviz.cams.names()) or a CamMethod, not "
             f"{type(method).__name__} {method!r}"
         )
-    cam = get(method)(**options) if isinstance(method, str) else method
+    if isinstance(method, str):
+        cam = create(method, **options)
+    elif options:
+        raise CamvizError(
+            f"options ({', '.join(options)}) are for a method given by name; set them on the "
+            "method instance instead"
+        )
+    else:
+        cam = method
     model = _unwrapped(uncompiled(model))
     fuse = _fusion(cam, fuse)
     target = cam.explained_target(target)
@@ -347,6 +394,7 @@ def explain(
             target,
             gradients=cam.uses_gradients,
             output_key=output_key,
+            hessian=cam.uses_hessian,
             record=any(_known_kind(model, name, batch, given) is None for name in layers),
         )
         _check_finite(model, batch, recorded)
@@ -492,6 +540,7 @@ def layer_data(
     ranks = []
     for rank, score_fn in enumerate(recorded.score_fns):
         gradients = recorded.gradients[name][rank] if recorded.gradients else None
+        product = recorded.hessian_products[name][rank] if recorded.hessian_products else None
         ranks.append(
             LayerData(
                 layer=name,
@@ -504,6 +553,7 @@ def layer_data(
                 scores=recorded.scores[:, rank],
                 layout=layout,
                 batch=batch,
+                hessian_products=None if product is None else layout.to_spatial(product),
             )
         )
     return ranks
@@ -534,7 +584,7 @@ def _layer_maps(
             if weights_by_layer is not None:
                 assert isinstance(cam, ChannelWeighted)
                 weights = cam.rank_weights(ranks)
-                per_rank = [weighted_sum(w, activations) for w in weights]
+                per_rank = [cam.combine(cam.terms(w, activations)) for w in weights]
                 weights_by_layer[name] = torch.stack(weights, dim=1).flatten(0, 1)
             elif hasattr(cam, "input_maps"):
                 per_input = [cam.input_maps(data) for data in ranks]
@@ -733,6 +783,7 @@ def _aug_smoothed(
                 target,
                 gradients=cam.uses_gradients,
                 output_key=output_key,
+                hessian=cam.uses_hessian,
             )
         except (RuntimeError, AssertionError, ValueError) as error:
             if scale == 1:

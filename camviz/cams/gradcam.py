@@ -22,6 +22,9 @@ class GradCAM(ChannelWeighted):
         L^c       = ReLU( sum_k alpha_k^c * A^k )
 
     The engine applies the ReLU and the per-image min-max normalisation.
+
+    Args:
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
     name = "gradcam"

@@ -16,7 +16,8 @@ def plusplus_weights(
     second: torch.Tensor,
     third: torch.Tensor,
 ) -> torch.Tensor:
-    """The Grad-CAM++ channel weights from the first three derivatives of the score by ``A``.
+    """The Grad-CAM++ channel weights from the first three derivatives of the score with
+    respect to ``A``.
 
     Args:
         activations: ``A``, ``(N, C, *grid)``.
@@ -57,6 +58,9 @@ class GradCAMPlusPlus(ChannelWeighted):
     skips exact zeros, as the formula asks. torchcam 0.5's ``GradCAMpp`` divides a copy made
     by boolean indexing (``alpha[mask].div_``), so its ``alpha`` stays ``g^2`` and its weights
     are ``sum_ij g^2 ReLU(g)``.
+
+    Args:
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
     name = "gradcam++"
@@ -101,6 +105,7 @@ class SmoothGradCAMPlusPlus(ChannelWeighted):
             0.1 to 0.2).
         seed: Seed of the noise, so that the same input always gives the same map; ``None``
             draws from torch's global generator instead.
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
     name = "smooth_gradcam++"
@@ -110,7 +115,15 @@ class SmoothGradCAMPlusPlus(ChannelWeighted):
     )
     needs = "gradients at n noisy copies of the input"
 
-    def __init__(self, samples: int = 8, noise: float = 0.15, seed: int | None = 0) -> None:
+    def __init__(
+        self,
+        samples: int = 8,
+        noise: float = 0.15,
+        seed: int | None = 0,
+        *,
+        eigen_smooth: bool = False,
+    ) -> None:
+        super().__init__(eigen_smooth=eigen_smooth)
         if samples < 1 or noise < 0:
             raise CamvizError(
                 f"smooth_gradcam++ needs samples >= 1 and noise >= 0, got samples={samples}, "

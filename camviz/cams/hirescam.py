@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.base import ChannelMapMethod, LayerData
 from camviz.cams.registry import register
 
 
 @register
-class HiResCAM(CamMethod):
+class HiResCAM(ChannelMapMethod):
     """HiResCAM.
 
     Paper: Draelos and Carin, "Use HiResCAM instead of Grad-CAM for faithful explanations of
@@ -21,6 +21,9 @@ class HiResCAM(CamMethod):
 
     For a model that ends in global average pooling and a linear layer, this is exactly the
     contribution of each location to the score (up to the bias).
+
+    Args:
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
     name = "hirescam"
@@ -29,12 +32,12 @@ class HiResCAM(CamMethod):
         "convolutional neural networks, arXiv 2020"
     )
 
-    def layer_map(self, data: LayerData) -> torch.Tensor:
-        return (data.dy_da * data.activations).sum(dim=1)
+    def weighted_activations(self, data: LayerData) -> torch.Tensor:
+        return data.dy_da * data.activations
 
 
 @register
-class GradCAMElementWise(CamMethod):
+class GradCAMElementWise(ChannelMapMethod):
     """Grad-CAM element-wise: HiResCAM with the ReLU taken per channel before the sum.
 
     No paper: a variant introduced by pytorch-grad-cam (Gildenblat and contributors, 2021,
@@ -44,10 +47,15 @@ class GradCAMElementWise(CamMethod):
 
     The outer ReLU changes nothing; the inner one drops the channels that speak against the
     class at each location instead of letting them cancel the others.
+
+    Args:
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``);
+            the principal component of the ``ReLU( dy^c / dA^k (*) A^k )`` terms, as in
+            pytorch-grad-cam.
     """
 
     name = "gradcam_elementwise"
     paper = "No paper; introduced by pytorch-grad-cam (Gildenblat and contributors, 2021)"
 
-    def layer_map(self, data: LayerData) -> torch.Tensor:
-        return torch.relu(data.dy_da * data.activations).sum(dim=1)
+    def weighted_activations(self, data: LayerData) -> torch.Tensor:
+        return torch.relu(data.dy_da * data.activations)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.base import ChannelMapMethod, LayerData
 from camviz.cams.registry import register
 
 
 @register
-class LayerCAM(CamMethod):
+class LayerCAM(ChannelMapMethod):
     """LayerCAM.
 
     Paper: Jiang, Zhang, Hou, Cheng and Wei, "LayerCAM: Exploring Hierarchical Class
@@ -23,6 +23,9 @@ class LayerCAM(CamMethod):
 
     The paper's ``tanh`` rescaling (its equation 9) is for fusing shallow layers' maps with
     deep ones; camviz fuses normalised maps (``fuse="mean"`` or ``"max"``) instead.
+
+    Args:
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
     name = "layercam"
@@ -31,5 +34,5 @@ class LayerCAM(CamMethod):
         "Localization, IEEE TIP 2021"
     )
 
-    def layer_map(self, data: LayerData) -> torch.Tensor:
-        return (torch.relu(data.dy_da) * data.activations).sum(dim=1)
+    def weighted_activations(self, data: LayerData) -> torch.Tensor:
+        return torch.relu(data.dy_da) * data.activations

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from camviz.cams.base import ChannelWeighted, LayerData
+from camviz.cams.base import CamMethod, ChannelWeighted, LayerData
 from camviz.core.errors import CamvizError
 
 
@@ -21,27 +21,32 @@ class PerturbationMethod(ChannelWeighted):
     """Base of the methods that weigh channels by scoring perturbed copies.
 
     Subclasses implement :meth:`rank_weights`, which scores every rank of a top-k target
-    from the same perturbed passes; a single rank is the one-element case.
+    from the same perturbed passes (a single rank is the one-element case); the engine
+    turns each rank's ``(N, C)`` channel weights into a map.
 
     Args:
         batch_size: Perturbed copies per forward pass (bounds memory); ``None`` lets the
             method choose for the device.
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod`.
     """
 
     uses_gradients = False
 
-    def __init__(self, batch_size: int | None = None) -> None:
-        self.batch_size = None if batch_size is None else checked_batch_size(self.name, batch_size)
+    def __init__(self, batch_size: int | None = None, *, eigen_smooth: bool = False) -> None:
+        super().__init__(eigen_smooth=eigen_smooth)
+        self.batch_size = (
+            None if batch_size is None else checked_count(self, "batch_size", batch_size)
+        )
 
     def channel_weights(self, data: LayerData) -> torch.Tensor:
         return self.rank_weights([data])[0]
 
 
-def checked_batch_size(method: str, batch_size: int) -> int:
-    """``batch_size`` if it is a positive int, else a :class:`CamvizError`."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise CamvizError(f"{method} needs batch_size >= 1 (an int), got {batch_size!r}")
-    return batch_size
+def checked_count(method: CamMethod, option: str, value: int) -> int:
+    """``value`` of a method's option if it is a positive int, else a :class:`CamvizError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CamvizError(f"{method.name} needs {option} >= 1 (an int), got {value!r}")
+    return value
 
 
 def rank_scores(output: Any, ranks: Sequence[LayerData], samples: torch.Tensor) -> torch.Tensor:

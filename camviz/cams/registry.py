@@ -6,7 +6,8 @@ and the tests' parametrisation all read this registry, so a method added here is
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeVar
+import inspect
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from camviz.core.errors import CamvizError
 
@@ -34,6 +35,26 @@ def get(name: str) -> type[CamMethod]:
         if _key(registered) == _key(name):
             return cls
     raise CamvizError(f"unknown CAM method {name!r}; choose one of: {', '.join(names())}")
+
+
+def create(name: str, **options: Any) -> CamMethod:
+    """The method registered as ``name``, built with ``options`` (its constructor's).
+
+    Raises:
+        CamvizError: An unknown name, or an option the method does not take.
+    """
+    cls = get(name)
+    parameters = inspect.signature(cls).parameters.values()
+    if any(parameter.kind == parameter.VAR_KEYWORD for parameter in parameters):
+        return cls(**options)  # a wrapper: it hands the options on to its base method's create
+    accepted = [
+        parameter.name for parameter in parameters if parameter.kind != parameter.VAR_POSITIONAL
+    ]
+    unknown = [option for option in options if option not in accepted]
+    if unknown:
+        takes = f"it takes {', '.join(accepted)}" if accepted else "it takes none"
+        raise CamvizError(f"{cls.name} has no option {unknown[0]!r}; {takes}")
+    return cls(**options)
 
 
 def _key(name: str) -> str:

@@ -1,20 +1,25 @@
-"""Score-CAM and SS-CAM: channels weighted by the score of the input masked with them."""
+"""Score-CAM, SS-CAM and IS-CAM: channels weighted by the score of the input masked with them."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
 from camviz.cams.base import LayerData
-from camviz.cams.perturbation import PerturbationMethod, rank_scores
+from camviz.cams.perturbation import PerturbationMethod, checked_count, rank_scores
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
 from camviz.core.maps import normalize, upsample
-from camviz.core.targets import take_rows
+from camviz.core.targets import probability_score, take_rows
 
 # Input values per forward pass on a CPU when no batch_size is given (see ScoreCAM).
 CPU_PASS_VALUES = 2**20
+
+Weighting = Literal["softmax", "probability"]
+WEIGHTINGS = ("softmax", "probability")
 
 
 @register
@@ -48,6 +53,15 @@ class ScoreCAM(PerturbationMethod):
     So a batch costs ``sum_n C'_n`` forward passes plus one, ``C'_n`` being the
     non-constant channels of image ``n``.
 
+    ``weighting="probability"`` replaces ``alpha^c`` by the class probability of each masked
+    input, ``alpha^c_k = softmax_classes( y( X (*) H^k ) )_c``, as the authors' released code
+    does (the paper's equations write the softmax over channels, which the peers follow, and
+    which is the default). The two rank channels alike but spread them differently: the
+    softmax over channels of logits is dominated by the few best channels, the probabilities
+    add up every channel that keeps the class likely. The authors' code skips constant
+    channels; here they are weighted by the zero image's probability, which shifts the map by
+    a constant that the normalisation removes (where nothing is clipped by the ReLU).
+
     Compared with the peers: pytorch-grad-cam upsamples with ``align_corners=True`` and
     adds ``1e-8`` to the normalising span; torchcam normalises ``A^k`` before upsampling.
     Both change the masks slightly, so normalised maps differ by about ``1e-2`` on a
@@ -59,6 +73,10 @@ class ScoreCAM(PerturbationMethod):
             many as hold about 2^20 input values (6 at 224 x 224, 64 at most), since small
             batches keep a CPU's caches warm (ResNet-50 at 224 px, 2 threads: 47 ms per
             image in batches of 4, 78 ms in batches of 32); on an accelerator, 32.
+        weighting: ``"softmax"`` (default: the paper's equation, pytorch-grad-cam and
+            torchcam) or ``"probability"`` (the authors' code); needs a class-id, top-k,
+            Contrast or Region target.
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
     name = "scorecam"
@@ -68,19 +86,46 @@ class ScoreCAM(PerturbationMethod):
     )
     needs = "a forward pass per channel (masked inputs)"
 
+    def __init__(
+        self,
+        batch_size: int | None = None,
+        weighting: Weighting = "softmax",
+        *,
+        eigen_smooth: bool = False,
+    ) -> None:
+        super().__init__(batch_size, eigen_smooth=eigen_smooth)
+        if weighting not in WEIGHTINGS:
+            raise CamvizError(
+                f"{self.name} needs weighting='softmax' or 'probability', not {weighting!r}"
+            )
+        self.weighting = weighting
+
     def rank_weights(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
+        if self.weighting == "probability":
+            ranks = [
+                dataclasses.replace(data, score=probability_score(data.score)) for data in ranks
+            ]
         with torch.inference_mode():
-            return list(self.channel_scores(ranks).softmax(dim=-1))
+            weights = self.channel_scores(ranks)
+        if self.weighting == "softmax":
+            weights = weights.softmax(dim=-1)
+        return list(weights)
 
     def channel_scores(self, ranks: Sequence[LayerData]) -> torch.Tensor:
         """``(K, N, C)``: the score of each rank for each image masked by each channel."""
+        return self.masked_scores(ranks, 1.0)
+
+    def masked_scores(self, ranks: Sequence[LayerData], scale: float) -> torch.Tensor:
+        """``(K, N, C)``: the score of each rank for each image masked by ``scale`` times
+        each channel's mask ``H^k``."""
         data = ranks[0]
         flat = data.activations.flatten(2)
         constant = flat.amax(dim=-1) == flat.amin(dim=-1)
         scores = flat.new_empty(len(ranks), *constant.shape)
         for pairs in (~constant).nonzero().split(self.rows_per_pass(data.inputs)):
             samples, channels = pairs.unbind(dim=1)
-            masked = data.inputs[samples] * self.masks(data, samples, channels).unsqueeze(1)
+            masks = scale * self.masks(data, samples, channels)
+            masked = data.inputs[samples] * masks.unsqueeze(1)
             scores[:, samples, channels] = rank_scores(data.run(masked, samples), ranks, samples)
         if constant.any():
             first = torch.zeros(1, dtype=torch.long, device=data.inputs.device)
@@ -130,6 +175,8 @@ class SSCAM(ScoreCAM):
         std: Standard deviation of the noise added to the ``[0, 1]`` masks.
         seed: Seed of the noise, for reproducible maps; ``None`` draws from torch's global
             generator.
+        weighting: As for :class:`ScoreCAM` (default ``"softmax"``, the paper's).
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
     name = "sscam"
@@ -145,13 +192,14 @@ class SSCAM(ScoreCAM):
         num_samples: int = 35,
         std: float = 2.0,
         seed: int | None = None,
+        weighting: Weighting = "softmax",
+        *,
+        eigen_smooth: bool = False,
     ) -> None:
-        super().__init__(batch_size)
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise CamvizError(f"sscam needs num_samples >= 1 (an int), got {num_samples!r}")
+        super().__init__(batch_size, weighting, eigen_smooth=eigen_smooth)
         if not std >= 0:
             raise CamvizError(f"sscam needs std >= 0, got {std!r}")
-        self.num_samples = num_samples
+        self.num_samples = checked_count(self, "num_samples", num_samples)
         self.std = std
         self.seed = seed
 
@@ -178,3 +226,57 @@ class SSCAM(ScoreCAM):
                     data.run(masked, samples), ranks, samples
                 )
         return scores / self.num_samples
+
+
+@register
+class ISCAM(ScoreCAM):
+    """IS-CAM: Score-CAM with each channel's score integrated along growing masks.
+
+    Paper: Naidu, Ghosh, Maurya, Nayak and Kundu, "IS-CAM: Integrated Score-CAM for
+    axiomatic-based explanations", arXiv 2020 (arXiv:2010.03023).
+
+    As torchcam's ``ISCAM`` computes it: with Score-CAM's mask ``H^k`` of channel ``k`` and
+    ``M`` steps, step ``i`` scales the mask by the running sum ``c_i = sum_{j<=i} j / M``
+    (``c_i = i (i + 1) / (2 M)``, growing from ``1 / M`` to ``(M + 1) / 2``)::
+
+        S^c_k   = (1 / M) sum_{i=1..M} y^c( X (*) c_i H^k )
+        alpha^c = softmax_k( S^c_k ),   L^c = ReLU( sum_k alpha^c_k A^k )
+
+    (the paper's baseline score ``y^c(X_b)`` is the same for every channel of an image and
+    cancels in the softmax). Everything else is Score-CAM's: the masks, their chunking, the
+    single blank pass for constant channels (once per step), and ``weighting``. Compared with
+    torchcam, the masks differ as Score-CAM's do (see :class:`ScoreCAM`: camviz upsamples,
+    then normalises).
+
+    Cost: ``num_samples`` times Score-CAM's.
+
+    Args:
+        batch_size: Masked images per forward pass (default: see :class:`ScoreCAM`).
+        num_samples: Integration steps ``M`` (default 10, torchcam's).
+        weighting: As for :class:`ScoreCAM` (default ``"softmax"``, the paper's).
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
+    """
+
+    name = "iscam"
+    paper = (
+        "Naidu et al., IS-CAM: Integrated Score-CAM for axiomatic-based explanations, arXiv 2020"
+    )
+    needs = "num_samples forward passes per channel (scaled masked inputs)"
+
+    def __init__(
+        self,
+        batch_size: int | None = None,
+        num_samples: int = 10,
+        weighting: Weighting = "softmax",
+        *,
+        eigen_smooth: bool = False,
+    ) -> None:
+        super().__init__(batch_size, weighting, eigen_smooth=eigen_smooth)
+        self.num_samples = checked_count(self, "num_samples", num_samples)
+
+    def channel_scores(self, ranks: Sequence[LayerData]) -> torch.Tensor:
+        steps = self.num_samples
+        total = self.masked_scores(ranks, 1 / steps)
+        for step in range(2, steps + 1):
+            total += self.masked_scores(ranks, step * (step + 1) / (2 * steps))
+        return total / steps

@@ -11,7 +11,7 @@ import torch.nn.functional as F  # noqa: N812 - the conventional name
 
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.engine import layer_data, layer_pass
-from camviz.cams.perturbation import checked_batch_size
+from camviz.cams.perturbation import checked_count
 from camviz.cams.registry import register
 from camviz.cams.wrappers import Wrapper
 from camviz.core.errors import CamvizError
@@ -135,7 +135,7 @@ class SESS(Wrapper):
         self.window, self.stride = window, stride
         self.pre_filter, self.theta, self.pool = pre_filter, theta, pool
         self.smooth, self.softmax = smooth, softmax
-        self.batch_size = checked_batch_size(self.name, batch_size)
+        self.batch_size = checked_count(self, "batch_size", batch_size)
         self.uses_gradients = False  # the base runs on the windows, not on the engine's pass
 
     rank_maps = CamMethod.rank_maps  # rank by rank: each rank's base maps are its own

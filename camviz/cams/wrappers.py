@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from camviz.cams.base import CamMethod, LayerData
-from camviz.cams.registry import get, register
+from camviz.cams.registry import create, register
 from camviz.core.errors import CamvizError
 from camviz.core.targets import Contrast, Nearest, Region, Target
 
@@ -40,8 +40,9 @@ class Wrapper(CamMethod):
                 )
             self.base = base
         else:
-            self.base = get(base or self.default_base)(**options)
+            self.base = create(base or self.default_base, **options)
         self.uses_gradients = self.base.uses_gradients
+        self.uses_hessian = self.base.uses_hessian
 
     def rank_maps(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
         return self.base.rank_maps(ranks)

@@ -23,6 +23,9 @@ class XGradCAM(ChannelWeighted):
     A channel whose activations sum to zero gets weight zero. pytorch-grad-cam and torchcam
     add ``1e-7`` and ``1e-8`` to that sum instead, which changes the weights of channels with
     small sums slightly.
+
+    Args:
+        eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
     name = "xgradcam"

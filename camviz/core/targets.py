@@ -396,6 +396,25 @@ def nearest_classes(logits: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Te
     return distance.topk(k, dim=-1, largest=False).indices
 
 
+def probability_score(score: ScoreFn) -> ScoreFn:
+    """The same target scored on class probabilities (a softmax over the class dimension of
+    the logits) instead of logits: ``p_c`` for a class, ``p_a - alpha * mean_t p_b_t`` for a
+    :class:`Contrast`, the masked sum of ``p_c`` for a :class:`Region`.
+
+    Raises:
+        CamvizError: ``score`` is a callable target, whose logits camviz cannot see.
+    """
+    if isinstance(score, _Difference):
+        first, second = probability_score(score.first), probability_score(score.second)
+        return _Difference(first, second, score.weight)
+    if isinstance(score, (_ClassScore, _RegionScore)):
+        return _OnProbabilities(score)
+    raise CamvizError(
+        "scoring class probabilities needs a class-id, top-k, Contrast or Region target, not "
+        "a callable; give class ids, or fold the softmax into the callable"
+    )
+
+
 def _class_scores(output: Any, output_key: str | int | None) -> torch.Tensor:
     logits = as_logits(output, output_key)
     if logits.dim() != 2:
@@ -468,6 +487,17 @@ class _RegionScore:
         mask = self.mask if samples is None or self.mask.dim() == 2 else self.mask[samples]
         logits = as_logits(output, self.output_key)[:, self.class_id]
         return (logits * mask).sum(dim=(-2, -1))
+
+
+@dataclass(frozen=True, eq=False)
+class _OnProbabilities:
+    """A class or region score read from the softmax of the logits over their class dim."""
+
+    score: _ClassScore | _RegionScore
+
+    def __call__(self, output: Any, samples: torch.Tensor | None = None) -> torch.Tensor:
+        probabilities = as_logits(output, self.score.output_key).softmax(dim=1)
+        return self.score(probabilities, samples)
 
 
 @dataclass(frozen=True, eq=False)
