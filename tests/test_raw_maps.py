@@ -124,15 +124,15 @@ def test_several_raw_layers_stay_apart(resnet18, recorded):
 def test_weights_exist_exactly_for_weighted_sum_methods_and_make_their_maps(tiny):
     model, inputs = tiny
     with torch.no_grad():
-        activations = model[:3](inputs)
+        activations = model[:4](inputs)  # layer "3", which feeds the pooling (CAM)
     for method in names():
         if not get(method).applies_to(model):
             continue  # LeGrad: vision transformers only
-        result = camviz.explain(model, inputs, method, layer="2", target=3)
+        result = camviz.explain(model, inputs, method, layer="3", target=3)
         weighted = issubclass(get(method), ChannelWeighted)
         assert (result.weights is not None) == weighted, method
         if weighted:
-            maps = (result.weights["2"][:, :, None, None] * activations).sum(1)
+            maps = (result.weights["3"][:, :, None, None] * activations).sum(1)
             torch.testing.assert_close(
                 result.layer_maps, normalize(maps.relu()), atol=1e-5, rtol=1e-4
             )
