@@ -523,6 +523,21 @@ def concept_figure(
     colours = _concept_colours(colormap, len(names))
     handles = [Patch(color=tuple(c), label=n) for c, n in zip(colours, names, strict=True)]
     figure.legend(handles=handles, loc="outside lower center", ncols=min(len(names), 2))
+    figure.suptitle(title)
+    return figure
+
+
+def _concept_colours(colormap: str, count: int) -> np.ndarray:
+    """``(count, 3)`` RGB colours in ``[0, 1]``: entry ``j`` of a qualitative colour map."""
+    cmap = _concept_colormap(colormap)
+    return np.array([cmap(j % cmap.N)[:3] for j in range(count)], dtype=np.float32)
+
+
+def _concept_colormap(colormap: str) -> Colormap:
+    try:
+        return matplotlib.colormaps[colormap]
+    except KeyError:
+        raise CamvizError(f"unknown colour map {colormap!r}; use e.g. tab10 or Set1") from None
 
 
 # Maps of every shape: signed maps, signals, volumes and clips -----------------------------
@@ -699,19 +714,6 @@ def volume_montage(
     figure.colorbar(shown, ax=list(axes), shrink=0.6, label="map")
     figure.suptitle(title)
     return figure
-
-
-def _concept_colours(colormap: str, count: int) -> np.ndarray:
-    """``(count, 3)`` RGB colours in ``[0, 1]``: entry ``j`` of a qualitative colour map."""
-    cmap = _concept_colormap(colormap)
-    return np.array([cmap(j % cmap.N)[:3] for j in range(count)], dtype=np.float32)
-
-
-def _concept_colormap(colormap: str) -> Colormap:
-    try:
-        return matplotlib.colormaps[colormap]
-    except KeyError:
-        raise CamvizError(f"unknown colour map {colormap!r}; use e.g. tab10 or Set1") from None
 
 
 def clip_video(
