@@ -24,6 +24,25 @@ def coffee_path() -> Path:
     return ASSETS / "coffee.png"
 
 
+def tiny_vit() -> nn.Module:
+    """A random torchvision ViT for 32 px inputs: 8 px patches (a 4 x 4 grid), 2 blocks of
+    2 heads, 16 channels, 5 classes; eval mode. A new model each call."""
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(
+        image_size=32,
+        patch_size=8,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        mlp_dim=32,
+        num_classes=5,
+    )
+    nn.init.normal_(model.heads.head.weight)  # torchvision starts it at zero
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def resnet18() -> nn.Module:
     """A randomly initialised torchvision ResNet-18 (in-place ReLUs and ``+=``), eval mode."""
@@ -65,6 +84,8 @@ def _model_state(model: nn.Module) -> dict:
         "modules": [
             (
                 name,
+                type(module),
+                getattr(module, "inplace", None),
                 module.training,
                 len(module._forward_hooks),
                 len(module._forward_pre_hooks),
@@ -88,7 +109,7 @@ def _model_state(model: nn.Module) -> dict:
 
 
 def _assert_same_state(before: dict, after: dict) -> None:
-    assert after["modules"] == before["modules"], "hooks or train/eval flags changed"
+    assert after["modules"] == before["modules"], "modules, hooks or train/eval flags changed"
     for old, new in zip(before["parameters"], after["parameters"], strict=True):
         assert old[0] == new[0]
         assert old[1] == new[1], f"requires_grad of {old[0]} changed"
@@ -96,6 +117,7 @@ def _assert_same_state(before: dict, after: dict) -> None:
         assert old[2] is None or torch.equal(old[2], new[2]), f".grad of {old[0]} changed"
         assert old[3:] == new[3:], f"tensor hooks left on {old[0]}"
     for key, value in before["values"].items():
+        assert value.dtype == after["values"][key].dtype, f"dtype of {key} changed"
         assert torch.equal(value, after["values"][key]), f"{key} changed"
 
 
@@ -103,8 +125,9 @@ def _assert_same_state(before: dict, after: dict) -> None:
 def untouched():
     """``with untouched(model): ...`` fails if the block leaves any trace on the model.
 
-    Checked: hooks on every module and parameter, train/eval flags, ``requires_grad``,
-    ``.grad``, and every parameter and buffer value (BatchNorm running statistics too).
+    Checked: the modules (type, ``inplace`` flag, train/eval flag, hooks), hooks on every
+    parameter, ``requires_grad``, ``.grad``, and every parameter and buffer's dtype and value
+    (BatchNorm running statistics too).
     """
 
     @contextlib.contextmanager

@@ -39,3 +39,11 @@ def principal_projection(features: torch.Tensor) -> torch.Tensor:
     projection = (centred @ vectors[..., -1:]).squeeze(-1)
     sign = torch.sign((projection * observations.sum(-1)).sum(-1, keepdim=True))
     return (projection * sign).view(features.shape[0], *features.shape[2:]).float()
+
+
+def min_max(maps: torch.Tensor) -> torch.Tensor:
+    """Each ``(h, w)`` map of ``(M, h, w)`` scaled to ``[0, 1]``; a constant map becomes zeros
+    (camviz's convention for a map with no evidence)."""
+    low = maps.flatten(1).amin(1).view(-1, 1, 1)
+    span = maps.flatten(1).amax(1).view(-1, 1, 1) - low
+    return torch.where(span > 0, (maps - low) / span, 0)

@@ -7,9 +7,9 @@ alone, so a mix-up between images, or a heatmap laid on the wrong photo, would s
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
-import subprocess
-import sys
+import signal
 import threading
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from PIL import Image
 import camviz
 from camviz.cli import main
 from camviz.core.errors import CamvizError
+from camviz.io.atomic import atomic_write
 from camviz.io.images import load_image
 from camviz.io.models import LoadedModel
 from camviz.pipeline.dataset import _Buckets, _Sample, explain_dataset
@@ -291,29 +292,27 @@ def test_a_submodule_layer_is_recorded_by_name_and_resumes_as_that_name(tmp_path
     assert (out / "a_overlay.png").stat().st_mtime_ns == before
 
 
-KILLED_RUN = """
-import os, signal, sys
-import camviz.pipeline.job
-from camviz.cli import main
-from camviz.io.atomic import atomic_write
+def run_killed_while_writing_the_third_overlay(argv: list[str]) -> None:
+    """In a forked child: run the CLI and die like a killed process, SIGKILL in the middle of
+    writing the third overlay. The fork shares the already imported modules, so nothing is
+    imported again; the patch lives in the child only."""
+    import camviz.pipeline.job
 
-saved = 0
-real_save = camviz.pipeline.job._save_png
+    real_save = camviz.pipeline.job._save_png
+    saved = 0
 
-def save_then_die(image, path):
-    # Die like a killed process: in the middle of writing the third overlay.
-    global saved
-    saved += 1
-    if saved < 3:
-        return real_save(image, path)
-    with atomic_write(path) as file:
-        file.write(b"half a PNG")
-        file.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+    def save_then_die(image, path):
+        nonlocal saved
+        saved += 1
+        if saved < 3:
+            return real_save(image, path)
+        with atomic_write(path) as file:
+            file.write(b"half a PNG")
+            file.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
 
-camviz.pipeline.job._save_png = save_then_die
-sys.exit(main(sys.argv[1:]))
-"""
+    camviz.pipeline.job._save_png = save_then_die
+    main(argv)
 
 
 def test_a_killed_run_resumes_to_the_clean_result(
@@ -327,13 +326,13 @@ def test_a_killed_run_resumes_to_the_clean_result(
     common += ["--no-panel"]
     assert main(["explain", *common, "--quiet", "--out", str(clean)]) == 0
 
-    killed = subprocess.run(
-        [sys.executable, "-c", KILLED_RUN, "explain", *common, "--quiet", "--out", str(resumed)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    killed = multiprocessing.get_context("fork").Process(
+        target=run_killed_while_writing_the_third_overlay,
+        args=(["explain", *common, "--quiet", "--out", str(resumed)],),
     )
-    assert killed.returncode == -9, killed.stderr
+    killed.start()
+    killed.join(timeout=300)
+    assert killed.exitcode == -signal.SIGKILL
     assert list(resumed.glob(".*.tmp")), "the kill should leave a temporary file behind"
     assert json.loads((resumed / "manifest.json").read_text())["complete"] is False
     # A writer thread takes the third image only after finishing (files, then row) another.

@@ -26,8 +26,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def explained(tmp_path_factory, cat_path, coffee_path, manifest_rows):
     out = tmp_path_factory.mktemp("explain") / "results"
-    result = run_cli("explain", str(cat_path), str(coffee_path), "--out", str(out))
-    assert result.returncode == 0, result.stderr
+    assert main(["explain", str(cat_path), str(coffee_path), "--out", str(out)]) == 0
     return out, json.loads((out / "manifest.json").read_text()), manifest_rows(out)
 
 

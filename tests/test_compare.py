@@ -11,8 +11,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
-import torchvision
 from torchvision.utils import save_image
 
 import camviz
@@ -185,12 +183,9 @@ window.addEventListener("load", () => {
     assert ":CONSOLE" not in log
 
 
-def test_the_command_line(tmp_path, cat_path, capsys):
-    torch.manual_seed(0)
-    checkpoint = tmp_path / "resnet18.pt"
-    torch.save(torchvision.models.resnet18(num_classes=10).state_dict(), checkpoint)
+def test_the_command_line(tmp_path, cat_path, tiny_checkpoint, capsys):
     out = tmp_path / "out"
-    common = ["--model", "resnet18", "--weights", str(checkpoint), "--out", str(out)]
+    common = ["--model", "resnet18", "--weights", tiny_checkpoint, "--out", str(out)]
     status = main(["compare", str(cat_path), *common, "--methods", "gradcam", "--steps", "3"])
     assert status == 0
     assert sorted(path.name for path in out.iterdir()) == [

@@ -6,17 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
+from reference import min_max
 from torch import nn
 
 import camviz
 from camviz.core.errors import CamvizError
 from camviz.core.targets import Region
-
-
-def min_max(maps: torch.Tensor) -> torch.Tensor:
-    low = maps.flatten(1).amin(1).view(-1, 1, 1)
-    span = maps.flatten(1).amax(1).view(-1, 1, 1) - low
-    return torch.where(span > 0, (maps - low) / span, 0)
 
 
 def resize(maps: torch.Tensor, size) -> torch.Tensor:

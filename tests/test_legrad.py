@@ -10,28 +10,13 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
+from conftest import tiny_vit
 from torch import nn
-from torchvision.models.vision_transformer import VisionTransformer
 
 import camviz
 from camviz.core.errors import CamvizError
 
 CLASSES = [1, 3]
-
-
-def torchvision_vit() -> nn.Module:
-    torch.manual_seed(0)
-    model = VisionTransformer(
-        image_size=32,
-        patch_size=8,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=16,
-        mlp_dim=32,
-        num_classes=5,
-    )
-    nn.init.normal_(model.heads.head.weight)  # torchvision starts it at zero
-    return model.eval()
 
 
 def timm_vit() -> nn.Module:
@@ -90,7 +75,7 @@ def torchvision_reference(model: nn.Module, x: torch.Tensor, last=None) -> torch
 
 @pytest.mark.parametrize("last", [None, 1])
 def test_legrad_equals_the_formula_on_torchvision_vit(inputs, untouched, last):
-    model = torchvision_vit()
+    model = tiny_vit()
     expected = torchvision_reference(model, inputs, last)
     with untouched(model):
         result = camviz.explain(model, inputs, "legrad", target=CLASSES, last=last)
@@ -101,7 +86,7 @@ def test_legrad_equals_the_formula_on_torchvision_vit(inputs, untouched, last):
 def test_legrad_matches_torchcam(inputs):
     from torchcam.methods import LeGrad
 
-    model = torchvision_vit()
+    model = tiny_vit()
     peer_model = copy.deepcopy(model)
     with LeGrad(peer_model, list(peer_model.encoder.layers)) as extractor:
         theirs = extractor(CLASSES, peer_model(inputs))[0]

@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 import torch
-from reference import principal_projection
+from reference import min_max, principal_projection
 from torch import nn
 
 import camviz
@@ -96,16 +96,10 @@ def test_eigen_smooth_is_the_principal_component_of_the_methods_terms(method, mo
     options = CHEAP.get(method, {})
     smooth = camviz.explain(model, inputs, method, "1", [0, 2], eigen_smooth=True, **options)
     (terms,) = seen
-    expected = minmax(torch.relu(principal_projection(terms)))
+    expected = min_max(torch.relu(principal_projection(terms)))
     torch.testing.assert_close(smooth.layer_maps, expected, atol=1e-5, rtol=1e-4)
     plain = camviz.explain(model, inputs, method, "1", [0, 2], **options)
     torch.testing.assert_close(
-        plain.layer_maps, minmax(torch.relu(seen[1].sum(dim=1))), atol=1e-5, rtol=1e-4
+        plain.layer_maps, min_max(torch.relu(seen[1].sum(dim=1))), atol=1e-5, rtol=1e-4
     )
     assert (plain.layer_maps - smooth.layer_maps).abs().amax() > 0.05
-
-
-def minmax(maps: torch.Tensor) -> torch.Tensor:
-    flat = maps.flatten(1)
-    low, high = flat.amin(1, keepdim=True), flat.amax(1, keepdim=True)
-    return ((flat - low) / (high - low)).view_as(maps)

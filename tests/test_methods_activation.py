@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from reference import min_max
 from torch import nn
 
 import camviz
@@ -18,12 +19,6 @@ from camviz.cams import LayerData
 from camviz.core.errors import CamvizError
 from camviz.core.maps import normalize
 from camviz.core.targets import Contrast
-
-
-def minmax(maps: torch.Tensor) -> torch.Tensor:
-    flat = maps.flatten(1)
-    low, high = flat.amin(1, keepdim=True), flat.amax(1, keepdim=True)
-    return ((flat - low) / (high - low)).view_as(maps)
 
 
 def layer_data(activations: torch.Tensor) -> LayerData:
@@ -77,10 +72,12 @@ def test_cam_equals_the_paper_formula(tiny_inputs, untouched):
         result = camviz.explain(model, tiny_inputs, "cam", layer="features", target=[0, 2])
         contrast = camviz.explain(model, tiny_inputs, "cam", "features", Contrast(0, 1))
     expected = torch.einsum("nk,nkhw->nhw", weights[[0, 2]], a)
-    torch.testing.assert_close(result.layer_maps, minmax(torch.relu(expected)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(result.layer_maps, min_max(torch.relu(expected)), atol=1e-5, rtol=0)
     # y_0 - y_1 is linear in the pooled features too: its weights are W[0] - W[1].
     expected = torch.einsum("k,nkhw->nhw", weights[0] - weights[1], a)
-    torch.testing.assert_close(contrast.layer_maps, minmax(torch.relu(expected)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        contrast.layer_maps, min_max(torch.relu(expected)), atol=1e-5, rtol=0
+    )
 
 
 def test_cam_is_gradcam_on_a_pooled_linear_classifier(tiny_inputs):
@@ -111,7 +108,7 @@ def test_cam_matches_torchcam(resnet18, small_batch):
         (theirs,) = extractor([3, 7], normalized=False)
     # torchcam normalises the map without a ReLU first; camviz applies it, as the paper does.
     ours = camviz.explain(resnet18, small_batch, "cam", layer="layer4", target=[3, 7])
-    torch.testing.assert_close(ours.layer_maps, minmax(torch.relu(theirs)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours.layer_maps, min_max(torch.relu(theirs)), atol=1e-5, rtol=0)
 
 
 def test_cam_works_under_inference_mode(resnet18, small_batch):

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
+from reference import min_max
 from torch import nn
 
 import camviz
@@ -73,13 +74,6 @@ class ConcatNet(ResidualNet):
         return self.head(both.mean(dim=(2, 3)))
 
 
-def normalised(maps: torch.Tensor) -> torch.Tensor:
-    """Min-max per map; a constant map becomes zeros."""
-    low = maps.flatten(1).amin(1).view(-1, 1, 1)
-    span = maps.flatten(1).amax(1).view(-1, 1, 1) - low
-    return torch.where(span > 0, (maps - low) / span, 0)
-
-
 def output_of(model: nn.Module, layer: str, inputs: torch.Tensor) -> torch.Tensor:
     with camviz.capture(model, layer) as seen, torch.no_grad():
         model(inputs)
@@ -124,7 +118,7 @@ def paper_scorecam(
         if not probability:
             alpha = torch.softmax(alpha, dim=0)
         maps.append(torch.relu(torch.einsum("k,khw->hw", alpha, activations[n])))
-    return normalised(torch.stack(maps))
+    return min_max(torch.stack(maps))
 
 
 def paper_ablationcam(model, inputs, layer, classes) -> torch.Tensor:
@@ -150,7 +144,7 @@ def paper_ablationcam(model, inputs, layer, classes) -> torch.Tensor:
                 finally:
                     handle.remove()
             maps.append(torch.relu(torch.einsum("k,khw->hw", torch.stack(weights), activations[n])))
-    return normalised(torch.stack(maps))
+    return min_max(torch.stack(maps))
 
 
 @pytest.fixture
@@ -198,10 +192,13 @@ def test_ablationcam_equals_the_paper_formula(model, layer, tiny_inputs, untouch
 
 def test_sscam_equals_the_paper_formula_with_the_same_noise(tiny_inputs, untouched):
     model, draws, std = TinyNet(), 3, 0.3
-    generator = torch.Generator().manual_seed(7)
-    # One chunk holds every (image, channel) pair, so each draw is one (N * C, H, W) tensor.
+    # Each image draws from its own generator seeded alike: draw by draw, channel by channel.
+    generators = [torch.Generator().manual_seed(7) for _ in tiny_inputs]
     noise = [
-        std * torch.randn(12, 8, 8, generator=generator, dtype=torch.float64).view(3, 4, 8, 8)
+        [
+            [std * torch.randn(8, 8, generator=g, dtype=torch.float64) for _ in range(4)]
+            for g in generators
+        ]
         for _ in range(draws)
     ]
     with untouched(model):
@@ -211,7 +208,7 @@ def test_sscam_equals_the_paper_formula_with_the_same_noise(tiny_inputs, untouch
             "sscam",
             layer="features",
             target=[0, 2, 0],
-            batch_size=12,
+            batch_size=5,  # chunks that split an image's channels change nothing
             num_samples=draws,
             std=std,
             seed=7,
@@ -456,8 +453,9 @@ def test_iscam_matches_torchcam(tiny_inputs, untouched):
 
 @pytest.mark.peers
 def test_sscam_matches_torchcam(resnet18, peer_batch, untouched):
-    """Tolerance 5e-2 (measured 9e-3): besides the mask order of Score-CAM, each library
-    draws its own noise, so with 4 draws the averaged scores differ a little."""
+    """Tolerance 5e-2 (measured up to 1.3e-2 over three seeds): besides the mask order of
+    Score-CAM, each library draws its own noise, so with 2 draws the averaged scores differ a
+    little."""
     from torchcam.methods import SSCAM as TorchcamSSCAM  # noqa: N811 - named after its library
 
     with untouched(resnet18):
@@ -467,13 +465,13 @@ def test_sscam_matches_torchcam(resnet18, peer_batch, untouched):
             "sscam",
             layer="layer1",
             target=[3, 7],
-            num_samples=4,
+            num_samples=2,
             std=0.2,
             seed=0,
         )
     torch.manual_seed(5)
     with TorchcamSSCAM(
-        resnet18, "layer1", input_shape=(3, 64, 64), num_samples=4, std=0.2
+        resnet18, "layer1", input_shape=(3, 64, 64), num_samples=2, std=0.2
     ) as extractor:
         (torchcam_maps,) = extractor([3, 7], resnet18(peer_batch))
     torch.testing.assert_close(result.layer_maps, torchcam_maps, rtol=0, atol=5e-2)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
+from reference import min_max
 from torch import nn
 
 import camviz
@@ -43,12 +44,6 @@ def model() -> nn.Module:
 @pytest.fixture(scope="module")
 def inputs() -> torch.Tensor:
     return torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
-
-
-def minmax(maps: torch.Tensor) -> torch.Tensor:
-    flat = maps.flatten(1)
-    low, high = flat.amin(1, keepdim=True), flat.amax(1, keepdim=True)
-    return ((flat - low) / (high - low)).view_as(maps)
 
 
 # --- Finer-CAM ----------------------------------------------------------------------------
@@ -83,7 +78,7 @@ def test_finercam_is_gradcam_of_the_class_minus_alpha_times_its_nearest_classes(
         nearest = distance.argsort()[:references]
         direction = weights[c] - alpha * weights[nearest].mean(0)
         maps.append(torch.einsum("k,khw->hw", direction, activations[sample]) / 64)
-    expected = minmax(torch.relu(torch.stack(maps)))
+    expected = min_max(torch.relu(torch.stack(maps)))
     result = camviz.explain(model, inputs, "finercam", layer="3", target=CLASSES)
     torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=0)
     assert result.targets.tolist() == CLASSES
@@ -115,7 +110,7 @@ def test_finercam_matches_pytorch_grad_cam_with_one_reference(model, inputs):
     with FinerCAM(peer_model, [peer_model[3]]) as peer:
         theirs = torch.from_numpy(peer(inputs, alpha=0.7, comparison_categories=[1]))
     ours = camviz.explain(model, inputs, "finercam", layer="3", alpha=0.7, references=1)
-    torch.testing.assert_close(minmax(ours.heatmaps), theirs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(min_max(ours.heatmaps), theirs, atol=1e-5, rtol=0)
 
 
 def test_finercam_refuses_targets_without_classes(model, inputs):
@@ -138,7 +133,7 @@ def test_refinecam_multiplies_the_base_maps_of_every_layer(model, inputs):
                 base.layer_maps.unsqueeze(1), size=(16, 16), mode="bilinear", align_corners=False
             )[:, 0]
         )
-    torch.testing.assert_close(result.heatmaps, minmax(product), atol=1e-5, rtol=0)
+    torch.testing.assert_close(result.heatmaps, min_max(product), atol=1e-5, rtol=0)
     with pytest.raises(CamvizError, match="refinecam combines layers by 'product'"):
         camviz.explain(model, inputs, "refinecam", layer=layers, fuse="mean")
 
@@ -212,7 +207,7 @@ def test_sess_equals_its_steps_written_out(model, inputs, pre_filter, pool):
         pool=pool,
     )
     torch.testing.assert_close(
-        result.heatmaps[0], minmax(torch.from_numpy(expected)[None])[0], atol=1e-5, rtol=0
+        result.heatmaps[0], min_max(torch.from_numpy(expected)[None])[0], atol=1e-5, rtol=0
     )
 
 

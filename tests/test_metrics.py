@@ -28,19 +28,6 @@ def sigmoid(value: float) -> float:
     return 1 / (1 + math.exp(-value))
 
 
-def state_of(model: nn.Module) -> dict:
-    return {
-        "training": [module.training for module in model.modules()],
-        "requires_grad": [p.requires_grad for p in model.parameters()],
-        "grads": [p.grad for p in model.parameters()],
-        "weights": [p.detach().clone() for p in model.parameters()],
-        "hooks": sum(
-            len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-            for m in model.modules()
-        ),
-    }
-
-
 ONES = torch.ones(1, 1, 4, 4)
 FAITHFUL = WEIGHTS.view(1, 4, 4) / 16  # ranks the pixels as the model weighs them
 
@@ -264,23 +251,18 @@ def test_road_morf_and_lerf_remove_opposite_ends():
         torch.testing.assert_close(curve.scores, torch.tensor([[full, changed]]), rtol=1e-4, atol=0)
 
 
-def test_metrics_hand_the_model_back_as_it_came():
+def test_metrics_hand_the_model_back_as_it_came(untouched):
     model = nn.Sequential(
         nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Dropout(0.5), nn.Flatten(), nn.Linear(16, 3)
     )
     model.train()
     model[0].weight.requires_grad_(False)
-    before = state_of(model)
     images, maps = torch.rand(2, 3, 4, 4), torch.rand(2, 4, 4)
-    first = metrics.deletion(model, images, maps, steps=4)
-    metrics.insertion(model, images, maps, steps=4)
-    metrics.confidence(model, images, maps)
-    metrics.road(model, images, maps, fractions=[0.5])
-    after = state_of(model)
-    assert after["training"] == before["training"] and after["hooks"] == before["hooks"] == 0
-    assert after["requires_grad"] == before["requires_grad"]
-    assert all(grad is None for grad in after["grads"])
-    assert all(torch.equal(a, b) for a, b in zip(after["weights"], before["weights"], strict=True))
+    with untouched(model):
+        first = metrics.deletion(model, images, maps, steps=4)
+        metrics.insertion(model, images, maps, steps=4)
+        metrics.confidence(model, images, maps)
+        metrics.road(model, images, maps, fractions=[0.5])
     # Eval mode was used: dropout off, so a second run gives the same curve.
     torch.testing.assert_close(metrics.deletion(model, images, maps, steps=4).scores, first.scores)
 

@@ -99,6 +99,8 @@ class CamMethod:
             through the layers after the target; wrappers set it per instance too).
         fuse: How the maps of several target layers combine when the method prescribes it
             (RefineCAM multiplies them); ``None`` leaves it to :func:`camviz.explain`.
+        input_resolution: Whether its maps are at the input's resolution (the methods built
+            on input gradients) rather than the target layer's.
     """
 
     name: ClassVar[str]
@@ -108,6 +110,7 @@ class CamMethod:
     uses_hessian: bool = False
     spatial_ranks: ClassVar[tuple[int, ...]] = (1, 2, 3)
     fuse: ClassVar[Literal["mean", "max", "product"] | None] = None
+    input_resolution: ClassVar[bool] = False
 
     @classmethod
     def applies_to(cls, model: nn.Module) -> bool:

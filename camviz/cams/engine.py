@@ -82,8 +82,9 @@ class Explanation:
             absolute value); with ``normalize=False`` they are in the method's own units,
             and with several layers they hold the first layer's map (raw maps of different
             layers are not fused; see ``maps_by_layer``).
-        layer_maps: ``(M, *grid)`` maps of the (first) target layer at its own resolution,
-            processed as ``heatmaps``.
+        layer_maps: ``(M, *grid)`` maps of the (first) target layer at its own resolution
+            (at the input's for methods with ``input_resolution``), processed as
+            ``heatmaps``.
         maps_by_layer: ``{layer: (M, *grid)}`` for every target layer.
         targets: ``(M,)`` explained class ids (``-1`` when the target was a callable).
         scores: ``(M,)`` explained scores (logits) from the forward pass.

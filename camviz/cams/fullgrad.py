@@ -154,6 +154,7 @@ class FullGrad(CamMethod):
         "Visualization, NeurIPS 2019"
     )
     needs = "input gradients and bias-gradients of all layers"
+    input_resolution = True
     uses_gradients = False
 
     def layer_map(self, data: LayerData) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 
 from camviz.cams.base import ChannelWeighted, LayerData, grid_dims
 from camviz.cams.engine import layer_pass
+from camviz.cams.noise import SampleNoise
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
 
@@ -104,7 +105,10 @@ class SmoothGradCAMPlusPlus(ChannelWeighted):
         noise: ``sigma`` as a fraction of each image's value range (SmoothGrad suggests
             0.1 to 0.2).
         seed: Seed of the noise, so that the same input always gives the same map; ``None``
-            draws from torch's global generator instead.
+            draws the seed from torch's global generator instead. Each image draws its
+            noise from its own generator started from this seed
+            (:class:`~camviz.cams.noise.SampleNoise`), so an image gets the same map alone
+            or at any position in a batch.
         eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
@@ -135,20 +139,17 @@ class SmoothGradCAMPlusPlus(ChannelWeighted):
 
     def channel_weights(self, data: LayerData) -> torch.Tensor:
         inputs = data.inputs
-        generator = None
-        if self.seed is not None:
-            generator = torch.Generator(inputs.device).manual_seed(self.seed)
+        noise = SampleNoise(inputs.shape[0], self.seed, inputs.device)
+        every_sample = torch.arange(inputs.shape[0])
         low, high = inputs.flatten(1).aminmax(dim=1)
         sigma = (self.noise * (high - low)).view(-1, *[1] * (inputs.dim() - 1))
         moments = data.activations.new_zeros(3, *data.activations.shape)
         assert data.layout is not None  # the engine gives every layer its layout
         for _ in range(self.samples):
-            noise = torch.randn(
-                inputs.shape, generator=generator, device=inputs.device, dtype=inputs.dtype
-            )
+            draw = noise.draw(every_sample, inputs.shape[1:], inputs.dtype)
             # The score function is the explained target itself, so class ids, callables and
             # any output type carry over to the noisy batch unchanged.
-            noisy_inputs = inputs + sigma * noise
+            noisy_inputs = inputs + sigma * draw
             batch = data.batch.with_main(noisy_inputs) if data.batch is not None else noisy_inputs
             noisy = layer_pass(data.model, batch, [data.layer], data.score)
             gradients = data.layout.to_spatial(noisy.gradients[data.layer][0])

@@ -132,6 +132,7 @@ class InputGradientMethod(CamMethod):
 
     guided: ClassVar[bool] = False
     needs = "input gradients"
+    input_resolution = True
     uses_gradients = False
 
     def input_maps(self, data: LayerData) -> dict[Key, torch.Tensor]:
@@ -304,6 +305,7 @@ class GuidedGradCAM(CamMethod):
     name = "guided_gradcam"
     paper = GradCAM.paper
     needs = "gradients, and input gradients through guided ReLUs"
+    input_resolution = True
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
         cam = upsample(torch.relu(GradCAM().layer_map(data)), data.inputs.shape[2:])

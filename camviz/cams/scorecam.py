@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from camviz.cams.base import LayerData
+from camviz.cams.noise import SampleNoise
 from camviz.cams.perturbation import PerturbationMethod, checked_count, rank_scores
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
@@ -164,7 +165,9 @@ class SSCAM(ScoreCAM):
 
     Cost: ``num_samples`` forward passes per channel and image, in chunks of ``batch_size``;
     noise makes every mask distinct, so Score-CAM's constant-channel saving does not apply.
-    The noise is drawn chunk by chunk, draw by draw, in (image, channel) order. The defaults
+    Each image draws its noise from its own generator started from ``seed``
+    (:class:`~camviz.cams.noise.SampleNoise`), draw by draw in channel order, so an image
+    gets the same noise, and the same map, alone or at any position in a batch. The defaults
     (35 draws, ``std=2``) are torchcam's ``SSCAM`` ones, whose formula this is; its maps
     differ from camviz's by its normalise-then-upsample order (see :class:`ScoreCAM`) and
     its own noise.
@@ -173,8 +176,8 @@ class SSCAM(ScoreCAM):
         batch_size: Masked images per forward pass (default: see :class:`ScoreCAM`).
         num_samples: Noise draws ``M``.
         std: Standard deviation of the noise added to the ``[0, 1]`` masks.
-        seed: Seed of the noise, for reproducible maps; ``None`` draws from torch's global
-            generator.
+        seed: Seed of the noise, for reproducible maps; ``None`` draws the seed from torch's
+            global generator.
         weighting: As for :class:`ScoreCAM` (default ``"softmax"``, the paper's).
         eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
@@ -206,10 +209,8 @@ class SSCAM(ScoreCAM):
     def channel_scores(self, ranks: Sequence[LayerData]) -> torch.Tensor:
         data = ranks[0]
         inputs = data.inputs
-        generator = None
-        if self.seed is not None:
-            generator = torch.Generator(inputs.device).manual_seed(self.seed)
         batch, channels = data.activations.shape[:2]
+        noise = SampleNoise(batch, self.seed, inputs.device)
         scores = inputs.new_zeros(len(ranks), batch, channels)
         pairs = torch.cartesian_prod(
             torch.arange(batch, device=inputs.device), torch.arange(channels, device=inputs.device)
@@ -218,10 +219,8 @@ class SSCAM(ScoreCAM):
             for chunk in pairs.split(self.rows_per_pass(inputs)):
                 samples, chunk_channels = chunk.unbind(dim=1)
                 masks = self.masks(data, samples, chunk_channels)
-                noise = torch.randn(
-                    masks.shape, generator=generator, device=masks.device, dtype=masks.dtype
-                )
-                masked = inputs[samples] * (masks + self.std * noise).unsqueeze(1)
+                draw = noise.draw(samples, masks.shape[1:], masks.dtype)
+                masked = inputs[samples] * (masks + self.std * draw).unsqueeze(1)
                 scores[:, samples, chunk_channels] += rank_scores(
                     data.run(masked, samples), ranks, samples
                 )

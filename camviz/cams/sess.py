@@ -105,6 +105,7 @@ class SESS(Wrapper):
     needs = "its base method (default gradcam) on every window of several rescaled copies"
     spatial_ranks = (2,)  # windows of images
     default_base = "gradcam"
+    input_resolution = True
 
     def __init__(
         self,

@@ -109,7 +109,8 @@ class Contrast:
 
     The map shows the evidence for ``a`` that is not evidence for ``b`` (Grad-CAM's
     counterfactual use, Selvaraju et al. 2017, Sec. 5). ``a`` is a class id, one id per
-    sample, or ``None`` for each sample's top class. ``b`` is a class id, one id per sample,
+    sample, ``None`` for each sample's top class, or a top-k target (``"top3"``: one
+    contrast per rank). ``b`` is a class id, one id per sample,
     ``T`` ids per sample (an ``(N, T)`` tensor or list of lists: their scores are averaged),
     or :class:`Nearest` for the ``k`` classes scored closest to ``a``. ``alpha`` scales the
     reference (Finer-CAM's comparison strength; ``1`` is the plain difference).
@@ -357,18 +358,21 @@ def score_fns(
     if isinstance(target, Contrast):
         logits = _class_scores(output, output_key)
         first = class_ids(target.a, logits)
-        if first.shape[1] != 1:
-            raise CamvizError("Contrast(a, b) takes one class (or one per sample) for a")
-        if isinstance(target.b, Nearest):
-            second = nearest_classes(logits, first[:, 0], target.b.k)
-        else:
-            second = class_ids(target.b, logits)
-        if bool((first == second).any()):
-            raise CamvizError("Contrast(a, b) needs two different classes; got a class in both")
-        contrast = _Difference(
-            _ClassScore(first[:, 0], output_key), _ClassScore(second, output_key), target.alpha
-        )
-        return [contrast], first
+        contrasts: list[ScoreFn] = []
+        for rank in range(first.shape[1]):  # a top-k ``a``: one contrast per rank
+            ids = first[:, rank]
+            if isinstance(target.b, Nearest):
+                second = nearest_classes(logits, ids, target.b.k)
+            else:
+                second = class_ids(target.b, logits)
+            if bool((ids.unsqueeze(1) == second).any()):
+                raise CamvizError("Contrast(a, b) needs two different classes; got a class in both")
+            contrasts.append(
+                _Difference(
+                    _ClassScore(ids, output_key), _ClassScore(second, output_key), target.alpha
+                )
+            )
+        return contrasts, first
     if callable(target) and not isinstance(target, (torch.Tensor, TopK)):
         return [_UserTarget(target)], None
     if target is None and as_logits(output, output_key).dim() == 1:

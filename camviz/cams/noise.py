@@ -1,0 +1,39 @@
+"""Gaussian noise drawn per sample, for the methods that average over noisy copies.
+
+Each sample of a batch draws from its own generator, and every generator starts from the
+same seed. A sample therefore gets the same noise, and so the same map, whether it is
+explained alone or at any position in a batch of any size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SampleNoise:
+    """One seeded generator per sample of a batch.
+
+    Args:
+        batch: Number of samples.
+        seed: Seed of every sample's generator; ``None`` draws one seed from torch's global
+            generator (so ``torch.manual_seed`` makes the maps reproducible).
+        device: Where the noise is drawn.
+    """
+
+    def __init__(self, batch: int, seed: int | None, device: torch.device) -> None:
+        if seed is None:
+            seed = int(torch.randint(2**62, ()))
+        self.device = device
+        self.generators = [torch.Generator(device).manual_seed(seed) for _ in range(batch)]
+
+    def draw(self, samples: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """``(R, *shape)`` standard normal noise; row ``r`` is the next draw of sample
+        ``samples[r]``'s generator (rows of one sample are drawn in order)."""
+        return torch.stack(
+            [
+                torch.randn(
+                    shape, generator=self.generators[sample], device=self.device, dtype=dtype
+                )
+                for sample in samples.tolist()
+            ]
+        )
