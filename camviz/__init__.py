@@ -35,9 +35,11 @@ _EXPORTS = {
     "ImageResult": "camviz.pipeline.dataset:ImageResult",
     "LayerTable": "camviz.debug.layerstats:LayerTable",
     "Nearest": "camviz.core.targets:Nearest",
+    "NonFiniteError": "camviz.core.errors:NonFiniteError",
     "Preprocess": "camviz.io.images:Preprocess",
     "Region": "camviz.core.targets:Region",
     "RowTarget": "camviz.core.targets:RowTarget",
+    "Similarity": "camviz.core.similarity:Similarity",
     "TopK": "camviz.core.targets:TopK",
     "capture": "camviz.core.hooks:capture",
     "channel_grid": "camviz.io.render:channel_grid",
@@ -102,8 +104,10 @@ if TYPE_CHECKING:
     from camviz.cams.factorization import Concepts as Concepts
     from camviz.cams.factorization import factorize as factorize
     from camviz.core.errors import CamvizError as CamvizError
+    from camviz.core.errors import NonFiniteError as NonFiniteError
     from camviz.core.hooks import capture as capture
     from camviz.core.hooks import edit as edit
+    from camviz.core.similarity import Similarity as Similarity
     from camviz.core.targets import Contrast as Contrast
     from camviz.core.targets import Nearest as Nearest
     from camviz.core.targets import Region as Region

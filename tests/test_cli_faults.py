@@ -365,7 +365,7 @@ def test_a_non_finite_result_is_an_error_row_and_manifests_are_strict_json(tmp_p
     rows = assert_complete(out, 2)
     bright, dark = rows
     assert dark["status"] == "ok" and bright["status"] == "error"
-    assert "not finite" in bright["reason"] and bright["files"] == []
+    assert "NaN or Inf" in bright["reason"] and bright["files"] == []
     assert summary["counts"] == {"ok": 1, "error": 1, "already_done": 0}
     assert summary["failures"] == [bright]
 
@@ -382,7 +382,7 @@ def test_a_checkpoint_of_nan_weights_is_refused_in_one_line(run, photos, tmp_pat
     )
     status, _, error = run(photos[0], out=tmp_path / "out", extra=("--weights", str(weights)))
     assert status == 1
-    one_line_error(error, "not finite")
+    one_line_error(error, "NaN or Inf")
     assert not (tmp_path / "out").exists()
 
 

@@ -31,8 +31,12 @@ ENTRY_POINTS: dict[str, Callable[[nn.Module, torch.Tensor], object]] = {
 def test_every_entry_point_refuses_a_non_float_batch_in_the_same_words(entry: str) -> None:
     with pytest.raises(CamvizError) as error:
         ENTRY_POINTS[entry](_tiny(), torch.zeros(2, 3, 8, 8, dtype=torch.uint8))
+    # explain also takes signals and volumes, so it names their shapes too.
+    accepted = (
+        "(N, C, L), (N, C, H, W) or (N, C, D, H, W)" if entry == "explain" else "(N, C, H, W)"
+    )
     assert str(error.value) == (
-        "inputs must be a float (N, C, H, W) batch"
+        f"inputs must be a float {accepted} batch"
         + (" or one (C, H, W) image" if entry == "explain" else "")
         + ", got torch.uint8 of shape (2, 3, 8, 8)"
     )

@@ -161,7 +161,7 @@ def test_default_layer_is_the_last_spatial_one(resnet18, small_batch):
         ({"target": 10}, r"class id 10 is out of range: the model has 10 classes \(0..9\)"),
         ({"target": "best"}, "unknown target 'best'"),
         ({"layer": "layer5"}, "no layer named 'layer5'"),
-        ({"layer": "fc"}, "not a \\(N, C, H, W\\) feature map"),
+        ({"layer": "fc"}, r"outputs shape \(2, 10\), not a feature map"),
         ({"method": "gradcam+++"}, "unknown CAM method"),
     ],
 )

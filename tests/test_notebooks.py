@@ -41,6 +41,12 @@ FACTS: dict[str, list[str]] = {
         "random map: pointing game",
         "report.html",
     ],
+    "05_any_model.ipynb": [
+        "pulse at 27 - map peaks at 28",
+        "cube centre [9, 6, 4] - map peak [9, 6, 4]",
+        "Grad-CAM and Ablation-CAM agree: 0.99",
+        "cosine similarity 0.927",
+    ],
 }
 
 

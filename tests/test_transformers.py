@@ -127,8 +127,10 @@ def test_token_and_channels_last_outputs_become_the_grid_of_a_manual_reshape(cas
     expected = manual_grid(output, prefix, inputs.shape[-2:], stride)
     grid = as_spatial(output, layer, inputs.shape[-2:], patch_size(model))
     assert torch.equal(grid, expected)
-    # Without the patch-size hint the grid is found from the input size alone.
-    assert torch.equal(as_spatial(output, layer, inputs.shape[-2:]), expected)
+    # Without the patch-size hint the grid is found from the input size alone, once the
+    # producing module has said that the output is tokens.
+    kind = "tokens" if prefix is not None else None
+    assert torch.equal(as_spatial(output, layer, inputs.shape[-2:], kind=kind), expected)
 
 
 def test_default_layer_is_the_last_attention_input_or_the_last_spatial_map(case):
@@ -207,24 +209,47 @@ def test_perturbation_methods_leave_transformers_untouched(method, untouched):
 # Layout rules on shapes alone ---------------------------------------------------------------
 
 
+FIRST, LAST = "channels_first", "channels_last"
+
+
 @pytest.mark.parametrize(
-    ("shape", "size", "patch", "expected"),
+    ("shape", "size", "patch", "kind", "expected"),
     [
-        ((2, 512, 7, 7), (224, 224), None, Layout("nchw", 7, 7)),
-        ((2, 7, 7, 768), (224, 224), None, Layout("nhwc", 7, 7)),
-        ((2, 56, 56, 96), (224, 224), None, Layout("nhwc", 56, 56)),
-        ((2, 8, 8, 8), (64, 64), None, Layout("nchw", 8, 8)),  # ambiguous: read as nchw
-        ((2, 3, 6, 8), (96, 128), None, Layout("nchw", 6, 8)),
-        ((2, 197, 768), (224, 224), 16, Layout("tokens", 14, 14, 1)),
-        ((2, 197, 768), (224, 224), None, Layout("tokens", 14, 14, 1)),
-        ((2, 261, 384), (224, 224), 14, Layout("tokens", 16, 16, 5)),  # DINOv2 + 4 registers
-        ((2, 12 + 1, 192), (48, 64), 16, Layout("tokens", 3, 4, 1)),
-        ((2, 49, 768), (224, 224), 4, Layout("tokens", 7, 7, 0)),  # Swin tokens at stride 32
-        ((2, 50, 8), None, None, Layout("tokens", 7, 7, 1)),
+        ((2, 512, 7, 7), (224, 224), None, None, Layout(FIRST, (7, 7))),
+        ((2, 7, 7, 768), (224, 224), None, None, Layout(LAST, (7, 7))),
+        ((2, 56, 56, 96), (224, 224), None, None, Layout(LAST, (56, 56))),
+        ((2, 8, 8, 8), (64, 64), None, FIRST, Layout(FIRST, (8, 8))),  # settled by the module
+        ((2, 8, 8, 8), (64, 64), None, LAST, Layout(LAST, (8, 8))),
+        ((2, 3, 6, 8), (96, 128), None, FIRST, Layout(FIRST, (6, 8))),
+        ((2, 197, 768), (224, 224), 16, None, Layout("tokens", (14, 14), 1)),
+        ((2, 197, 768), (224, 224), None, LAST, Layout("tokens", (14, 14), 1)),
+        ((2, 261, 384), (224, 224), 14, None, Layout("tokens", (16, 16), 5)),  # DINOv2 + 4 reg
+        ((2, 12 + 1, 192), (48, 64), 16, None, Layout("tokens", (3, 4), 1)),
+        ((2, 49, 768), (224, 224), 4, None, Layout("tokens", (7, 7), 0)),  # Swin, stride 32
+        ((2, 50, 8), None, None, None, Layout("tokens", (7, 7), 1)),
+        # 1-D and 3-D grids: signals, volumes, clips and their transformers.
+        ((2, 16, 25), (100,), None, FIRST, Layout(FIRST, (25,))),
+        ((2, 26, 16), (100,), 4, LAST, Layout("tokens", (25,), 1)),
+        ((2, 64, 2, 7, 7), (8, 112, 112), None, FIRST, Layout(FIRST, (2, 7, 7))),
+        ((2, 2, 7, 7, 64), (8, 112, 112), None, None, Layout(LAST, (2, 7, 7))),
+        ((2, 1 + 4 * 49, 96), (8, 112, 112), (2, 16, 16), LAST, Layout("tokens", (4, 7, 7), 1)),
     ],
 )
-def test_layouts_are_inferred_from_the_input_size(shape, size, patch, expected):
-    assert layout_of(shape, "layer", size, patch) == expected
+def test_layouts_follow_the_producing_module_and_the_input_size(shape, size, patch, kind, expected):
+    assert layout_of(shape, "layer", size, patch, kind) == expected
+
+
+@pytest.mark.parametrize(
+    ("shape", "size"),
+    [
+        ((2, 8, 8, 8), (64, 64)),  # channels first or last: both fit a square input
+        ((2, 16, 25), (100,)),  # a 1-D map (N, C, L) or tokens (N, T, C)
+        ((2, 197, 768), (224, 224)),  # tokens only if something says so (no patch embedding)
+    ],
+)
+def test_a_layout_that_only_the_shape_could_tell_is_refused_naming_layout(shape, size):
+    with pytest.raises(CamvizError, match="pass layout="):
+        layout_of(shape, "layer", size)
 
 
 def test_outputs_that_are_not_maps_or_token_grids_are_refused():

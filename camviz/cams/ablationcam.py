@@ -11,7 +11,7 @@ from camviz.cams.base import LayerData
 from camviz.cams.perturbation import PerturbationMethod, rank_scores
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
-from camviz.core.hooks import edit
+from camviz.core.taps import edit_spots
 
 # Default bound on the ablated copies of the layer output in one pass (the later layers'
 # activations for those copies come on top).
@@ -78,18 +78,16 @@ class AblationCAM(PerturbationMethod):
     # fp32 map fell to 0.40 on a ResNet-50 (benchmarks/bench_precision.py), so it stays fp32.
     reduced_precision = False
 
-    def rank_maps(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
-        activations = ranks[0].activations
+    def rank_weights(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
         with torch.inference_mode():
             ablated = self.ablated_scores(ranks)
-        maps = []
+        weights = []
         for data, scores in zip(ranks, ablated, strict=True):
             assert data.scores is not None  # the engine scores every rank
             original = data.scores.unsqueeze(1)
             drop = original - scores
-            weights = torch.where(original != 0, drop / original, drop)
-            maps.append(self.weighted_map(weights, activations))
-        return maps
+            weights.append(torch.where(original != 0, drop / original, drop))
+        return weights
 
     def ablated_scores(self, ranks: Sequence[LayerData]) -> torch.Tensor:
         """``(K, N, C)``: each rank's score with each channel of the target layer zeroed."""
@@ -133,14 +131,16 @@ def _ablated_pass(
     """``(K, R)`` scores of sample ``sample`` with channel ``channels[r]`` zeroed in row ``r``.
 
     A channel of ``-1`` zeroes nothing. With ``broadcast`` the layers before the target run
-    on the one sample and its ``(1, ...)`` layer output becomes ``R`` ablated copies;
-    otherwise the whole network runs on ``R`` copies of the sample.
+    on the one sample (the model's other inputs, if any, come as ``R`` copies) and its
+    ``(1, ...)`` layer output becomes ``R`` ablated copies; otherwise the whole network runs
+    on ``R`` copies of the sample.
     """
     single = data.inputs[sample : sample + 1]
     inputs = single if broadcast else single.repeat(len(channels), *[1] * (single.dim() - 1))
+    samples = torch.full_like(channels, sample)
     rows = (channels >= 0).nonzero()[:, 0]
     assert data.layout is not None  # checked by AblationCAM.ablated_scores
-    # Channels are dim 1 of (N, C, h, w) and the last dim of channels-last and token layouts.
+    # Channels are dim 1 of channels-first maps and the last dim of the other layouts.
     last = data.layout.channel_dim != 1
     index = (rows, ..., channels[rows]) if last else (rows, channels[rows])
 
@@ -149,9 +149,9 @@ def _ablated_pass(
         copies[index] = 0
         return copies
 
-    with edit(data.model, {data.layer: ablate}):
-        output = data.model(inputs)
-    return rank_scores(output, ranks, torch.full_like(channels, sample))
+    with edit_spots(data.model, {data.layer: ablate}):
+        output = data.run(inputs, samples)
+    return rank_scores(output, ranks, samples)
 
 
 def _checked_broadcast(

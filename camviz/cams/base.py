@@ -4,6 +4,12 @@ The engine (:mod:`camviz.cams.engine`) runs the model once, records the target l
 activations and, if the method asks for them, the exact gradients of the explained score
 with respect to those activations. A method only turns that :class:`LayerData` into one
 raw map per sample; the engine applies ReLU, normalises and upsamples.
+
+Activations are channels-first ``(N, C, *grid)`` with one to three grid axes (signals,
+images, volumes), so methods reduce over :func:`grid_dims`, never over fixed axes.
+Methods whose map is a weighted sum of channels, ``sum_k w_k A^k``, derive from
+:class:`ChannelWeighted` and give the weights; the engine forms the map and reports the
+weights (``Explanation.weights``).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from camviz.core.errors import CamvizError
 
 if TYPE_CHECKING:
     from camviz.cams.layout import Layout
+    from camviz.core.inputs import Inputs
     from camviz.core.targets import Target
 
 
@@ -57,6 +64,14 @@ class LayerData:
     scores: torch.Tensor | None = None
     layout: Layout | None = None
     hessian_products: torch.Tensor | None = None
+    batch: Inputs | None = None
+
+    def run(self, inputs: torch.Tensor, rows: torch.Tensor | None = None) -> object:
+        """The model's output with the map input replaced by ``inputs``, whose row ``r`` was
+        made from sample ``rows[r]`` (the model's other inputs, if any, follow ``rows``)."""
+        if self.batch is None:
+            return self.model(inputs)
+        return self.batch.run(self.model, inputs, rows)
 
     @property
     def dy_da(self) -> torch.Tensor:
@@ -78,6 +93,8 @@ class CamMethod:
         needs: What it needs from the engine, for the docs table (``"gradients"``).
         uses_gradients: Whether the engine must compute ``dy/dA`` (wrappers of another
             method set it per instance).
+        spatial_ranks: The input ranks the method is defined for (1: signals, 2: images,
+            3: volumes and clips); the engine refuses the others in one line.
         uses_hessian: Whether the engine must also compute ``H A`` (second-order gradients
             through the layers after the target; wrappers set it per instance too).
         fuse: How the maps of several target layers combine when the method prescribes it
@@ -96,6 +113,7 @@ class CamMethod:
     needs: ClassVar[str] = "gradients"
     uses_gradients: bool = True
     uses_hessian: bool = False
+    spatial_ranks: ClassVar[tuple[int, ...]] = (1, 2, 3)
     fuse: ClassVar[Literal["mean", "max", "product"] | None] = None
     input_resolution: ClassVar[bool] = False
     reduced_precision: ClassVar[bool] = True
@@ -159,3 +177,40 @@ class ChannelMapMethod(CamMethod):
         if self.eigen_smooth:
             return first_principal_component(weighted)
         return weighted.sum(dim=1)
+
+
+def grid_dims(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The grid axes of an ``(N, C, *grid)`` tensor: ``(2,)``, ``(2, 3)`` or ``(2, 3, 4)``."""
+    return tuple(range(2, tensor.dim()))
+
+
+class ChannelWeighted(ChannelMapMethod):
+    """A method whose map is a weighted sum of the layer's channels, ``sum_k w_k A^k``.
+
+    Subclasses implement :meth:`channel_weights` (or :meth:`rank_weights`, to share work
+    between the ranks of a top-k target); the terms ``w_k A^k`` are combined as every
+    :class:`ChannelMapMethod`'s (summed, or with ``eigen_smooth`` their first principal
+    component), and the engine reports the weights.
+    """
+
+    def channel_weights(self, data: LayerData) -> torch.Tensor:
+        """The ``(N, C)`` weights ``w_k`` of each sample."""
+        raise NotImplementedError
+
+    def rank_weights(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
+        """The ``(N, C)`` weights of every target rank of one layer."""
+        return [self.channel_weights(data) for data in ranks]
+
+    def weighted_activations(self, data: LayerData) -> torch.Tensor:
+        return self.terms(self.channel_weights(data), data.activations)
+
+    def rank_maps(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
+        weights = self.rank_weights(ranks)
+        return [
+            self.combine(self.terms(w, d.activations)) for w, d in zip(weights, ranks, strict=True)
+        ]
+
+    @staticmethod
+    def terms(weights: torch.Tensor, activations: torch.Tensor) -> torch.Tensor:
+        """``w_k A^k`` for ``(N, C)`` weights: ``(N, C, *grid)``."""
+        return weights.view(*weights.shape, *[1] * (activations.dim() - 2)) * activations

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 
-from camviz.cams.base import ChannelMapMethod, LayerData
+from camviz.cams.base import ChannelMapMethod, ChannelWeighted, LayerData, grid_dims
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
 
@@ -84,7 +84,11 @@ class CAM(ChannelMapMethod):
         name, linear = find_classifier(data.model, activations.shape[1])
         # A caller's inference mode would stop this small graph too (see layer_pass).
         with torch.inference_mode(False), torch.enable_grad():
-            pooled = activations.mean(dim=(2, 3)).to(linear.weight.dtype).requires_grad_()
+            pooled = (
+                activations.mean(dim=grid_dims(activations))
+                .to(linear.weight.dtype)
+                .requires_grad_()
+            )
             logits = F.linear(pooled, linear.weight.detach(), _detached(linear.bias))
             try:
                 scores = data.score(logits)
@@ -97,7 +101,7 @@ class CAM(ChannelMapMethod):
                     "between them); pick the layer that feeds the pooling, or use gradcam"
                 )
             (weights,) = torch.autograd.grad(scores.sum(), pooled)
-        return weights.to(activations.dtype)[:, :, None, None] * activations
+        return ChannelWeighted.terms(weights.to(activations.dtype), activations)
 
 
 def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:

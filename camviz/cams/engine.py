@@ -8,6 +8,11 @@ in-place operations after the layer cannot change what was recorded (why this wa
 with backward hooks: ``docs/architecture.md``). Methods turn the recorded :class:`LayerData`
 into raw maps; the engine applies ReLU, normalises, resizes and fuses.
 
+Inputs of any spatial rank (signals, images, volumes and clips), several inputs
+(:mod:`camviz.core.inputs`), taps on a layer's input or one element of its output
+(:mod:`camviz.core.taps`), and layouts told from the module that produced an output
+(:mod:`camviz.cams.layout`) all meet here.
+
 Methods that need second-order information (ShapleyCAM's ``H A``) get it from the same pass:
 the gradient is taken with ``create_graph=True``, so ``g = dy/d(delta)`` is itself a function
 of ``delta``, and ``torch.autograd.grad(g, delta, grad_outputs=A)`` is the Hessian of ``y``
@@ -25,7 +30,8 @@ of the model run in parallel.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,17 +39,21 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 
-from camviz.cams.base import CamMethod, LayerData
-from camviz.cams.layout import as_spatial, layout_of, patch_size
+from camviz.cams.base import CamMethod, ChannelWeighted, LayerData
+from camviz.cams.layout import Layout, as_spatial, layout_kind, layout_of, patch_size
 from camviz.cams.registry import create
-from camviz.core.batch import as_batch
-from camviz.core.errors import CamvizError
+from camviz.core.errors import CamvizError, NonFiniteError
 from camviz.core.finite import first_nonfinite_layer, is_finite
-from camviz.core.hooks import detach_to, edit
-from camviz.core.layers import Layer, default_target_layer, resolve_layers
-from camviz.core.maps import normalize, upsample
+from camviz.core.hooks import detach_to
+from camviz.core.inputs import Inputs, Key, as_inputs
+from camviz.core.layerkinds import CallLog, Kind, module_kind, record_calls
+from camviz.core.layers import Layer, default_target_layer
+from camviz.core.maps import normalize as normalize_maps
+from camviz.core.maps import normalize_signed, upsample
 from camviz.core.modelstate import eval_mode, exclusive, uncompiled
 from camviz.core.precision import Precision, at_least_fp32, check_precision, forward_precision
+from camviz.core.similarity import Similarity
+from camviz.core.taps import At, edit_spots, parse, spot_keys
 from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 
 Fuse = Literal["mean", "max", "product"]
@@ -53,24 +63,42 @@ __all__ = ["Explanation", "LayerPass", "as_spatial", "explain", "layer_data", "l
 
 DEFAULT_AUG_SCALES = (1.0, 0.9, 1.1)
 
+_INTERPOLATION = {3: "linear", 4: "bilinear", 5: "trilinear"}
+
+# The layout kind of each (model, layer spot, input rank), once told from a recorded pass.
+_kind_cache: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, int], Kind | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
 
 @dataclass
 class Explanation:
     """The result of :func:`explain`. ``M = N * K`` maps for ``N`` inputs and ``K`` ranks.
 
     Attributes:
-        heatmaps: ``(M, H, W)`` float maps at the input's size, min-max normalised there
-            (the hottest pixel is 1; a map with no evidence is all zeros).
-        layer_maps: ``(M, h, w)`` maps at the (first) target layer's resolution (at the
-            input's for methods with ``input_resolution``), after ReLU and per-map min-max
-            normalisation; an all-zero map stays zero.
-        maps_by_layer: ``{layer: (M, h, w)}`` for every target layer.
+        heatmaps: ``(M, *spatial)`` maps at the map input's size (``(M, L)``,
+            ``(M, H, W)`` or ``(M, D, H, W)``). By default after ReLU, min-max normalised
+            there (the hottest location is 1; a map with no evidence is all zeros). With
+            ``relu=False`` they keep their sign (normalised: divided by their largest
+            absolute value); with ``normalize=False`` they are in the method's own units,
+            and with several layers they hold the first layer's map (raw maps of different
+            layers are not fused; see ``maps_by_layer``).
+        layer_maps: ``(M, *grid)`` maps of the (first) target layer at its own resolution
+            (at the input's for methods with ``input_resolution``), processed as
+            ``heatmaps``.
+        maps_by_layer: ``{layer: (M, *grid)}`` for every target layer.
         targets: ``(M,)`` explained class ids (``-1`` when the target was a callable).
         scores: ``(M,)`` explained scores (logits) from the forward pass.
         samples: ``(M,)`` index of the input each map belongs to.
         output: The model's output for the batch, detached.
         method: The method's registry name.
-        layers: The target layer names.
+        layers: The target layer spots (names; ``"name:input"`` for ``at="input"``).
+        weights: ``{layer: (M, C)}`` channel weights for the methods whose map is a weighted
+            sum of channels (Grad-CAM, Grad-CAM++, XGrad-CAM, Score-CAM, SS-CAM,
+            Ablation-CAM ...), from the plain pass; ``None`` for the others.
+        maps_by_input: For input-gradient methods (vanilla gradients, Guided Backprop),
+            ``{input position or name: (M, *spatial)}`` for every input with spatial axes,
+            processed as ``heatmaps``; ``None`` for the others.
     """
 
     heatmaps: torch.Tensor
@@ -82,6 +110,8 @@ class Explanation:
     output: Any
     method: str
     layers: list[str]
+    weights: dict[str, torch.Tensor] | None = None
+    maps_by_input: dict[Key, torch.Tensor] | None = None
 
 
 @dataclass
@@ -98,6 +128,7 @@ class LayerPass:
         scores: ``(N, K)`` explained scores.
         score_fns: One function per rank from a model output to ``(N,)`` scores.
         class_ids: ``(N, K)`` explained classes, or ``None`` for a callable target.
+        calls: Every module call of the pass, when asked for (to tell layouts).
     """
 
     output: Any
@@ -107,10 +138,11 @@ class LayerPass:
     score_fns: list[ScoreFn]
     class_ids: torch.Tensor | None
     hessian_products: dict[str, list[torch.Tensor]]
+    calls: CallLog | None = None
 
 
 class _Tap:
-    """The forward-hook edit on one target layer (see the module docstring, step 2)."""
+    """The forward-hook edit on one target spot (see the module docstring, step 2)."""
 
     def __init__(self, name: str, open_gradient_path: bool) -> None:
         self.name = name
@@ -118,12 +150,7 @@ class _Tap:
         self.activation: torch.Tensor | None = None
         self.delta: torch.Tensor | None = None
 
-    def __call__(self, output: Any) -> Any:
-        if not isinstance(output, torch.Tensor):
-            raise CamvizError(
-                f"layer {self.name!r} returns a {type(output).__name__}, not a tensor; "
-                "pick a layer that outputs a feature map"
-            )
+    def __call__(self, output: torch.Tensor) -> torch.Tensor:
         if self.activation is not None:
             raise CamvizError(
                 f"layer {self.name!r} runs more than once in one forward pass (a shared "
@@ -139,38 +166,48 @@ class _Tap:
 
 def layer_pass(
     model: nn.Module,
-    inputs: torch.Tensor,
+    inputs: torch.Tensor | Inputs,
     layers: Sequence[str],
     target: Target = None,
     *,
     gradients: bool = True,
     output_key: str | int | None = None,
     hessian: bool = False,
+    record: bool = False,
 ) -> LayerPass:
     """Run the model once and record activations (and exact gradients) at ``layers``.
 
     The building block under every method: :func:`explain` calls it once, and methods
     that average over noisy or augmented inputs call it once per variant. The model must
-    already be in the mode wanted (``explain`` puts it in eval mode). ``hessian=True`` (with
-    ``gradients``) also records ``H A`` at each layer (see the module docstring).
+    already be in the mode wanted (``explain`` puts it in eval mode). ``layers`` are spot
+    keys (:mod:`camviz.core.taps`); ``hessian=True`` (with ``gradients``) also records ``H A``
+    at each layer (see the module docstring); ``record`` also logs every module call (for
+    layouts).
     """
+    batch = inputs if isinstance(inputs, Inputs) else Inputs((inputs,), {}, 0, len(inputs))
     # A caller's inference mode would stop the graph too.
     with exclusive(model), torch.inference_mode(False):
-        return _layer_pass(model, inputs, layers, target, gradients, output_key, hessian)
+        return _layer_pass(model, batch, layers, target, gradients, output_key, hessian, record)
 
 
 def _layer_pass(
     model: nn.Module,
-    inputs: torch.Tensor,
+    batch: Inputs,
     layers: Sequence[str],
     target: Target,
     gradients: bool,
     output_key: str | int | None,
     hessian: bool = False,
+    record: bool = False,
 ) -> LayerPass:
     taps = {name: _Tap(name, gradients) for name in layers}
-    with edit(model, taps), torch.no_grad():
-        output = model(inputs)
+    log = None
+    with edit_spots(model, taps), torch.no_grad():
+        if record:
+            with record_calls(model) as log:
+                output = batch(model)
+        else:
+            output = batch(model)
     activations = {}
     deltas = []  # one per layer when gradients are asked for (the strict zip below checks)
     for tap in taps.values():
@@ -190,7 +227,7 @@ def _layer_pass(
     with torch.enable_grad():
         for rank, score_fn in enumerate(fns):
             score = score_fn(output)
-            _check_scores(score, inputs.shape[0])
+            _check_scores(score, batch.size)
             scores.append(at_least_fp32(score.detach()))
             if not gradients:
                 continue
@@ -221,6 +258,7 @@ def _layer_pass(
         score_fns=fns,
         class_ids=ids,
         hessian_products=products,
+        calls=log,
     )
 
 
@@ -242,7 +280,7 @@ def _hessian_product(
 
 def explain(
     model: nn.Module,
-    inputs: torch.Tensor,
+    inputs: torch.Tensor | Sequence[Any] | Mapping[str, Any],
     method: str | CamMethod = "gradcam",
     layer: Layer | Sequence[Layer] | None = None,
     target: Target = None,
@@ -252,25 +290,36 @@ def explain(
     aug_smooth: bool | Sequence[float] = False,
     precision: Precision = "fp32",
     channels_last: bool = False,
+    at: At = "output",
+    layout: str | Mapping[str, str] | None = None,
+    map_input: Key | None = None,
+    relu: bool = True,
+    normalize: bool = True,
     **options: Any,
 ) -> Explanation:
     """Explain a batch with a CAM method.
 
     Args:
-        model: Any ``nn.Module`` classifier (or a model with a ``target`` callable). It is
-            used in eval mode for the call and handed back exactly as it came. For a
-            ``torch.compile`` model the original module inside it is explained (layer names
-            are that module's).
-        inputs: ``(N, C, H, W)`` batch, or one ``(C, H, W)`` image, already preprocessed.
-            Moved to the model's device.
+        model: Any ``nn.Module`` (a classifier, a regressor, an embedding model with
+            :class:`~camviz.core.similarity.Similarity`, or any model with a ``target``
+            callable); ``DataParallel``, ``DistributedDataParallel`` and ``torch.compile``
+            wrappers are looked through (layer names are the inner module's). It is used in
+            eval mode for the call and handed back exactly as it came.
+        inputs: The batch, already preprocessed and moved to the model's device: an
+            ``(N, C, L)``, ``(N, C, H, W)`` or ``(N, C, D, H, W)`` tensor (one ``(C, H, W)``
+            image for a 2-D image model), a tuple of inputs passed positionally or a dict
+            passed as keywords (:mod:`camviz.core.inputs`).
         method: A registry name (:func:`camviz.cams.names`) or a method instance.
-        layer: Target layer(s): names, wildcard patterns or submodules. ``None`` picks the last
-            layer with a spatial output, or for a vision transformer the norm before its last
-            attention (:func:`camviz.core.layers.default_target_layer`; found once per model
-            with a one-sample dry run).
+        layer: Target layer(s): names, wildcard patterns or submodules of the model,
+            or a list of them; ``"name[0]"`` / ``"name[key]"`` takes one element of
+            a tuple, list or dict output (:mod:`camviz.core.taps`). ``None`` picks the last
+            layer with a spatial output, or for a vision transformer the norm before its
+            last attention (:func:`camviz.core.layers.default_target_layer`; found once per
+            model with a one-sample dry run).
         target: What to explain; see :mod:`camviz.core.targets` (class id, list of ids, ``None``
-            for top-1, ``"top3"``, :class:`~camviz.core.targets.Region`,
-            :class:`~camviz.core.targets.Contrast`, or a callable ``output -> (N,) scores``).
+            for top-1, or the output itself when it is one number per sample, ``"top3"``,
+            :class:`~camviz.core.targets.Region`, :class:`~camviz.core.targets.Contrast`,
+            :class:`~camviz.core.similarity.Similarity`, or a callable ``output -> (N,)``).
             Methods that re-run the model score batches whose rows come from any input; a
             callable that holds per-input data must take the rows,
             ``(output, rows) -> (R,) scores`` with ``rows[r]`` the input of row ``r``
@@ -281,12 +330,12 @@ def explain(
             pixel-wise maximum or the product is taken and normalised again. ``None``: the
             method's own rule (``refinecam`` multiplies), else the mean.
         aug_smooth: Test-time augmentation, for any method: the batch is also explained
-            horizontally flipped and rescaled, each map is flipped back and resized to the
-            input, and the maps are averaged (then normalised). ``True`` uses the scales
-            ``(1.0, 0.9, 1.1)``, each with and without the flip (6 passes); a sequence of
-            scales chooses them (``(1.0,)``: flips only, for models with a fixed input size
-            such as ViTs); the plain pass always counts once. The explained classes are
-            those of the plain pass.
+            flipped along its last axis and rescaled, each map is flipped back and resized
+            to the input, and the maps are averaged (then normalised). ``True`` uses the
+            scales ``(1.0, 0.9, 1.1)``, each with and without the flip (6 passes); a
+            sequence of scales chooses them (``(1.0,)``: flips only, for models with a
+            fixed input size such as ViTs); the plain pass always counts once. The explained
+            classes are those of the plain pass.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the model's forward passes (and
             the perturbed passes of Score-CAM and SS-CAM) run under
             ``torch.autocast`` to that dtype; maps, weights and normalisation stay in
@@ -294,6 +343,17 @@ def explain(
             it (see :mod:`camviz.core.precision`). Ablation-CAM always scores in float32.
         channels_last: Hand the model a channels-last copy of its input (its convolutions
             then compute channels-last). The model and ``inputs`` are not modified.
+        at: ``"output"`` (default) explains each layer's output; ``"input"`` its first
+            positional input (Captum's ``attribute_to_layer_input``).
+        layout: How the target layer lays out its output, when camviz cannot tell it from
+            the module that produced it: ``"channels_first"`` (``(N, C, *grid)``),
+            ``"channels_last"`` (``(N, *grid, C)``) or ``"tokens"`` (``(N, T, C)``), for all
+            layers or as ``{layer: layout}``.
+        map_input: Which input the heatmap is laid on: a position in a tuple of inputs or a
+            key of a dict (default: the first).
+        relu: Apply the ReLU of the CAM formulas. ``False`` keeps signed maps.
+        normalize: Normalise each map (min-max after ReLU, else divided by its largest
+            absolute value). ``False`` returns the method's map in its own units.
         **options: Passed to the method's constructor (e.g. ``batch_size``, ``eigen_smooth``;
             each method's docstring lists its own); an option the method does not take is a
             :class:`CamvizError`.
@@ -302,8 +362,8 @@ def explain(
         An :class:`Explanation`.
 
     Raises:
-        CamvizError: A bad layer name, target, input shape or method name; NaN or Inf in
-            the model's scores or activations (the message names the first layer that
+        CamvizError: A bad layer name, target, input shape, layout or method name; NaN or Inf
+            in the model's scores or activations (the message names the first layer that
             output them); all-zero maps at a default layer that the score does not depend on.
 
     Two threads calling this with one model take turns (see the module docstring).
@@ -322,34 +382,49 @@ def explain(
         )
     else:
         cam = method
-    model = uncompiled(model)
+    model = _unwrapped(uncompiled(model))
     fuse = _fusion(cam, fuse)
     target = cam.explained_target(target)
     scales = _aug_scales(aug_smooth, target)
-    inputs = as_batch(inputs, model)
-    dtype = check_precision(precision, inputs.device, used=cam.reduced_precision)
+    batch = as_inputs(inputs, model, map_input)
+    rank = batch.main.dim() - 2
+    if rank not in cam.spatial_ranks:
+        shapes = {1: "signals (N, C, L)", 2: "images (N, C, H, W)", 3: "volumes (N, C, D, H, W)"}
+        raise CamvizError(
+            f"{cam.name} is defined for {' and '.join(shapes[r] for r in cam.spatial_ranks)}, "
+            f"not {shapes[rank]}; pick another method (`camviz methods`)"
+        )
+    device = batch.main.device
+    dtype = check_precision(precision, device, used=cam.reduced_precision)
     with (
         exclusive(model),
         eval_mode(model),
-        forward_precision(model, dtype, channels_last, inputs.device),
+        forward_precision(model, dtype, channels_last, device),
     ):
-        layers = _target_layers(model, inputs, layer)
+        layers = (
+            [default_target_layer(model, batch)] if layer is None else spot_keys(model, layer, at)
+        )
+        given = _given_kinds(layers, layout)
+        if isinstance(target, Similarity):
+            target = target.embedded(model, batch)
         recorded = layer_pass(
             model,
-            inputs,
+            batch,
             layers,
             target,
             gradients=cam.uses_gradients,
             output_key=output_key,
             hessian=cam.uses_hessian,
+            record=any(_known_kind(model, name, batch, given) is None for name in layers),
         )
-        _check_finite(model, inputs, recorded)
-        maps_by_layer = _layer_maps(cam, model, inputs, recorded)
+        _check_finite(model, batch, recorded)
+        kinds = {name: _kind(model, name, batch, given, recorded) for name in layers}
+        raw, weights, by_input = _layer_maps(cam, model, batch, recorded, kinds)
         if layer is None:
-            _check_default_layer(model, inputs, maps_by_layer, recorded, target, output_key)
-        full_size = {
-            name: upsample(maps, inputs.shape[-2:]) for name, maps in maps_by_layer.items()
-        }
+            _check_default_layer(model, batch, raw, recorded, kinds, target, output_key)
+        maps_by_layer = {name: _finish(maps, relu, normalize) for name, maps in raw.items()}
+        size = batch.main.shape[2:]
+        full_size = {name: upsample(maps, size) for name, maps in maps_by_layer.items()}
         if scales:
             # Augmented passes explain the classes chosen here, even if augmentation flips them.
             chosen = recorded.class_ids
@@ -359,46 +434,128 @@ def explain(
             elif isinstance(target, Contrast):
                 fixed = dataclasses.replace(target, a=chosen[:, 0])
             maps_by_layer, full_size = _aug_smoothed(
-                cam, model, inputs, layers, fixed, output_key, scales, maps_by_layer, full_size
+                cam,
+                model,
+                batch,
+                layers,
+                fixed,
+                output_key,
+                scales,
+                kinds,
+                maps_by_layer,
+                full_size,
+                relu,
+                normalize,
             )
-    stacked = torch.stack(list(full_size.values()))
-    if fuse == "product":
-        fused = stacked.prod(0)
-    else:
-        fused = stacked.amax(0) if fuse == "max" else stacked.mean(0)
-    batch, ranks = recorded.scores.shape
+    heatmaps = _fused(list(full_size.values()), fuse, relu, normalize)
+    batch_size, ranks = recorded.scores.shape
     ids = recorded.class_ids
     return Explanation(
-        heatmaps=normalize(fused),
+        heatmaps=heatmaps,
         layer_maps=maps_by_layer[layers[0]],
         maps_by_layer=maps_by_layer,
-        targets=(ids if ids is not None else torch.full((batch, ranks), -1)).reshape(-1).cpu(),
+        targets=(ids if ids is not None else torch.full((batch_size, ranks), -1)).reshape(-1).cpu(),
         scores=recorded.scores.reshape(-1),
-        samples=torch.arange(batch).repeat_interleave(ranks),
+        samples=torch.arange(batch_size).repeat_interleave(ranks),
         output=recorded.output,
         method=cam.name,
         layers=list(layers),
+        weights=weights,
+        maps_by_input=(
+            None
+            if by_input is None
+            else {key: _finish(maps, relu, normalize) for key, maps in by_input.items()}
+        ),
     )
 
 
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside a ``DataParallel``/``DDP`` wrapper; models without hooks refused."""
+    if isinstance(model, torch.jit.ScriptModule):
+        raise CamvizError(
+            "a TorchScript model has no forward hooks, which camviz needs; explain the "
+            "Python nn.Module it was scripted or traced from"
+        )
+    if not isinstance(model, nn.Module):
+        raise CamvizError(
+            f"model must be a torch nn.Module, not {type(model).__name__} (an exported "
+            "program has no forward hooks; explain the nn.Module it was exported from)"
+        )
+    while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        model = model.module
+    return model
+
+
+def _given_kinds(layers: Sequence[str], layout: str | Mapping[str, str] | None) -> dict[str, Kind]:
+    """The layout kinds that ``layout=`` gives, by spot key."""
+    if layout is None:
+        return {}
+    if isinstance(layout, str):
+        return {name: layout_kind(layout) for name in layers}
+    unknown = [name for name in layout if name not in layers]
+    if unknown:
+        raise CamvizError(f"layout= names {unknown}, which are not target layers ({layers})")
+    return {name: layout_kind(value) for name, value in layout.items()}
+
+
+def _known_kind(
+    model: nn.Module, name: str, batch: Inputs, given: Mapping[str, Kind]
+) -> Kind | None:
+    """The kind of a spot's tensor without a recorded pass: given, by module, or cached."""
+    if name in given:
+        return given[name]
+    spot = parse(name)
+    if not spot.path:
+        kind = module_kind(model.get_submodule(spot.name))
+        if kind is not None:
+            return kind
+    return _kind_cache.get(model, {}).get((name, batch.main.dim()))
+
+
+def _kind(
+    model: nn.Module, name: str, batch: Inputs, given: Mapping[str, Kind], recorded: LayerPass
+) -> Kind | None:
+    """The kind of a spot's tensor: as :func:`_known_kind`, else told from the recorded
+    pass (the module that produced the same tensor), and remembered."""
+    known = _known_kind(model, name, batch, given)
+    if known is not None or recorded.calls is None:
+        return known
+    spot = parse(name)
+    log = recorded.calls
+    end = log.starts.get(spot.name) if spot.at == "input" else log.index(spot.name)
+    if end is None:
+        return None
+    kind = log.producer_kind(tuple(recorded.activations[name].shape), end)
+    if kind is not None:
+        _kind_cache.setdefault(model, {})[(name, batch.main.dim())] = kind
+    return kind
+
+
 def layer_data(
-    model: nn.Module, inputs: torch.Tensor, recorded: LayerPass, name: str
+    model: nn.Module,
+    inputs: torch.Tensor | Inputs,
+    recorded: LayerPass,
+    name: str,
+    kind: Kind | None = None,
 ) -> list[LayerData]:
     """What a method gets for layer ``name`` of a recorded pass: one :class:`LayerData` per
-    rank, activations and gradients in their ``(N, C, h, w)`` view.
+    rank, activations and gradients in their ``(N, C, *grid)`` view (``kind``: the layout
+    kind when known, see :mod:`camviz.cams.layout`).
 
     Raises:
-        CamvizError: The layer folds windows or heads into the batch.
+        CamvizError: The layer folds windows or heads into the batch, or its layout is unclear.
     """
+    batch = inputs if isinstance(inputs, Inputs) else Inputs((inputs,), {}, 0, len(inputs))
     output = recorded.activations[name]
-    if output.shape[0] != inputs.shape[0]:
+    if output.shape[0] != batch.size:
         raise CamvizError(
-            f"layer {name!r} outputs a batch of {output.shape[0]} for {inputs.shape[0]} "
-            "inputs (windows or heads folded into the batch); pick a layer whose output "
-            "keeps one row per input"
+            f"layer {name!r} outputs a batch of {output.shape[0]} for {batch.size} "
+            "inputs (windows, frames or heads folded into the batch); pick a layer whose "
+            "output keeps one row per input"
         )
-    patch = patch_size(model) if output.dim() == 3 else None
-    layout = layout_of(output.shape, name, inputs.shape[-2:], patch)
+    if kind is None:  # a method's own pass: the kind the module or an earlier pass told
+        kind = _known_kind(model, name, batch, {})
+    layout = _layout(name, output, batch.main, model, kind)
     activations = layout.to_spatial(output)
     ranks = []
     for rank, score_fn in enumerate(recorded.score_fns):
@@ -410,11 +567,12 @@ def layer_data(
                 activations=activations,
                 gradients=None if gradients is None else layout.to_spatial(gradients),
                 model=model,
-                inputs=inputs,
+                inputs=batch.main,
                 score=score_fn,
                 class_ids=None if recorded.class_ids is None else recorded.class_ids[:, rank],
                 scores=recorded.scores[:, rank],
                 layout=layout,
+                batch=batch,
                 hessian_products=None if product is None else layout.to_spatial(product),
             )
         )
@@ -422,79 +580,146 @@ def layer_data(
 
 
 def _layer_maps(
-    cam: CamMethod, model: nn.Module, inputs: torch.Tensor, recorded: LayerPass
-) -> dict[str, torch.Tensor]:
-    """Each layer's ``(N * K, h, w)`` maps, sample-major, after ReLU and normalisation."""
+    cam: CamMethod,
+    model: nn.Module,
+    batch: Inputs,
+    recorded: LayerPass,
+    kinds: Mapping[str, Kind | None],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict[Key, torch.Tensor] | None]:
+    """Each layer's raw ``(N * K, *grid)`` maps, sample-major; the channel weights of
+    weight-based methods (``(N * K, C)`` per layer); the per-input maps of input-gradient
+    methods."""
     maps_by_layer = {}
+    weights_by_layer: dict[str, torch.Tensor] | None = (
+        {} if isinstance(cam, ChannelWeighted) else None
+    )
+    by_input = None
     for name in recorded.activations:
-        ranks = layer_data(model, inputs, recorded, name)
-        if not len(inputs):  # an empty batch: no maps, and nothing for a method to do
-            activations = ranks[0].activations
-            maps_by_layer[name] = activations.new_zeros(0, *activations.shape[-2:])
+        ranks = layer_data(model, batch, recorded, name, kinds[name])
+        activations = ranks[0].activations
+        if not batch.size:  # an empty batch: no maps, and nothing for a method to do
+            maps_by_layer[name] = activations.new_zeros(0, *activations.shape[2:])
             continue
         with torch.no_grad():
-            per_rank = cam.rank_maps(ranks)
+            if weights_by_layer is not None:
+                assert isinstance(cam, ChannelWeighted)
+                weights = cam.rank_weights(ranks)
+                per_rank = [cam.combine(cam.terms(w, activations)) for w in weights]
+                weights_by_layer[name] = torch.stack(weights, dim=1).flatten(0, 1)
+            elif hasattr(cam, "input_maps"):
+                per_input = [cam.input_maps(data) for data in ranks]
+                per_rank = [maps[batch.key] for maps in per_input]
+                by_input = {
+                    key: torch.stack([maps[key] for maps in per_input], dim=1).flatten(0, 1)
+                    for key in per_input[0]
+                }
+            else:
+                per_rank = cam.rank_maps(ranks)
         maps = torch.stack(per_rank, dim=1).flatten(0, 1)
         if not is_finite(maps):
-            raise CamvizError(
+            raise NonFiniteError(
                 f"{cam.name} gave NaN or Inf maps at layer {name!r} from finite activations "
                 "and scores; try another method or layer"
             )
-        maps_by_layer[name] = normalize(torch.relu(maps))
-    return maps_by_layer
+        maps_by_layer[name] = maps
+    return maps_by_layer, weights_by_layer, by_input
 
 
-def _check_finite(model: nn.Module, inputs: torch.Tensor, recorded: LayerPass) -> None:
+def _layout(
+    name: str, output: torch.Tensor, inputs: torch.Tensor, model: nn.Module, kind: Kind | None
+) -> Layout:
+    """The layout of a layer's output, checked to have a grid of the input's rank."""
+    patch = patch_size(model) if output.dim() == 3 else None
+    layout = layout_of(output.shape, name, inputs.shape[2:], patch, kind)
+    if len(layout.grid) != inputs.dim() - 2:
+        raise CamvizError(
+            f"layer {name!r} has a {len(layout.grid)}-D grid {layout.grid}, but the map input "
+            f"has {inputs.dim() - 2} spatial axes {tuple(inputs.shape[2:])}; pick a layer "
+            "with a grid like the input's"
+        )
+    return layout
+
+
+def _rescale(maps: torch.Tensor, relu: bool, normalize: bool) -> torch.Tensor:
+    """The normalisation asked for: min-max after ReLU, else by the largest absolute value."""
+    if not normalize:
+        return maps
+    return normalize_maps(maps) if relu else normalize_signed(maps)
+
+
+def _finish(maps: torch.Tensor, relu: bool, normalize: bool) -> torch.Tensor:
+    """The ReLU and normalisation asked for (see :class:`Explanation`)."""
+    return _rescale(torch.relu(maps) if relu else maps, relu, normalize)
+
+
+def _fused(maps: Sequence[torch.Tensor], fuse: Fuse, relu: bool, normalize: bool) -> torch.Tensor:
+    """The heatmaps: the layers' maps at the input size, fused (normalised maps only)."""
+    if len(maps) == 1 or not normalize:
+        return _rescale(maps[0], relu, normalize)
+    stacked = torch.stack(list(maps))
+    if fuse == "product":
+        return _rescale(stacked.prod(0), relu, normalize)
+    return _rescale(stacked.amax(0) if fuse == "max" else stacked.mean(0), relu, normalize)
+
+
+def _check_default_layer(
+    model: nn.Module,
+    batch: Inputs,
+    raw: dict[str, torch.Tensor],
+    recorded: LayerPass,
+    kinds: Mapping[str, Kind | None],
+    target: Target,
+    output_key: str | int | None,
+) -> None:
+    """All-zero maps at a layer camviz chose, because the score does not depend on its grid,
+    are an error: the user never named that layer. A head that reads only a class token
+    after the layer is such a case: the gradient reaches that token, not the patches."""
+    ((name, maps),) = raw.items()
+    if not len(maps) or bool(torch.relu(maps).any()):
+        return
+    gradients = recorded.gradients.get(name)
+    if gradients is None:  # a method without gradients: take them now, in this rare case
+        try:
+            with_gradients = layer_pass(model, batch, [name], target, output_key=output_key)
+        except CamvizError:  # no autograd path from the layer to the score
+            with_gradients = None
+        gradients = with_gradients.gradients[name] if with_gradients else []
+    layout = _layout(name, recorded.activations[name], batch.main, model, kinds[name])
+    if any(bool(layout.to_spatial(values).any()) for values in gradients):
+        return  # the score depends on the layer: the maps say "no positive evidence"
+    raise CamvizError(
+        f"all maps are zero: the explained score does not depend on the default layer {name!r} "
+        "at any location (a head that reads only a class token after it?); pass layer=NAME, "
+        "e.g. the norm before the last attention (`camviz layers` lists them)"
+    )
+
+
+def _check_finite(model: nn.Module, batch: Inputs, recorded: LayerPass) -> None:
     """NaN or Inf in what the pass recorded is an error: the maps would be zeros."""
     forward = [("explained scores", recorded.scores)] + [
         (f"activations of layer {name!r}", values) for name, values in recorded.activations.items()
     ]
     bad = [what for what, values in forward if not is_finite(values)]
     if bad:
-        first = first_nonfinite_layer(model, inputs)
+        single = len(batch.args) == 1 and not batch.kwargs
+        first = first_nonfinite_layer(model, batch.main) if single else None
         source = (
             f"layer {first!r} is the first to output NaN or Inf"
             if first is not None
             else "every layer's output is finite, so the target computes them"
+            if single
+            else "camviz.find_first_nonfinite on the model finds the first layer that outputs them"
         )
-        raise CamvizError(
+        raise NonFiniteError(
             f"the {bad[0]} hold NaN or Inf: {source}; camviz.find_first_nonfinite(model, "
             "inputs) says why"
         )
     for name, per_rank in recorded.gradients.items():
         if not all(is_finite(gradients) for gradients in per_rank):
-            raise CamvizError(
+            raise NonFiniteError(
                 f"the gradients at layer {name!r} hold NaN or Inf although the forward pass is "
                 "finite (the backward pass overflowed); explain in float32 or pick another layer"
             )
-
-
-def _check_default_layer(
-    model: nn.Module,
-    inputs: torch.Tensor,
-    maps_by_layer: dict[str, torch.Tensor],
-    recorded: LayerPass,
-    target: Target,
-    output_key: str | int | None,
-) -> None:
-    """All-zero maps at a layer camviz chose, because the score does not depend on it, are
-    an error: the user never named that layer."""
-    ((name, maps),) = maps_by_layer.items()
-    if not len(maps) or bool(maps.any()):
-        return
-    gradients = recorded.gradients.get(name)
-    if gradients is None:  # a method without gradients: take them now, in this rare case
-        try:
-            with_gradients = layer_pass(model, inputs, [name], target, output_key=output_key)
-        except CamvizError:  # no autograd path from the layer to the score
-            with_gradients = None
-        gradients = with_gradients.gradients[name] if with_gradients else []
-    if any(bool(values.any()) for values in gradients):
-        return  # the score depends on the layer: the maps say "no positive evidence"
-    raise CamvizError(
-        f"all maps are zero: the explained score does not depend on the default layer {name!r}; "
-        "pass layer=NAME (`camviz layers` lists them)"
-    )
 
 
 def _fusion(cam: CamMethod, fuse: Fuse | None) -> Fuse:
@@ -529,24 +754,29 @@ def _aug_scales(aug_smooth: bool | Sequence[float], target: Target) -> tuple[flo
 def _aug_smoothed(
     cam: CamMethod,
     model: nn.Module,
-    inputs: torch.Tensor,
+    batch: Inputs,
     layers: Sequence[str],
     target: Target,
     output_key: str | int | None,
     scales: Sequence[float],
+    kinds: Mapping[str, Kind | None],
     maps_by_layer: dict[str, torch.Tensor],
     full_size: dict[str, torch.Tensor],
+    relu: bool,
+    normalize: bool,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Average the plain pass's maps with those of flipped and rescaled copies of the batch.
+    """Average the plain pass's maps with those of flipped and rescaled copies of the map
+    input (flipped along its last axis only).
 
     Each augmented map is brought back to the plain pass's geometry (resized, then flipped
     back) at the layer's resolution and at the input's, with one interpolation each.
 
     Returns:
         ``(maps_by_layer, full_size)``: the averaged maps at each layer's resolution
-        (normalised) and at the input's (not yet normalised).
+        (normalised if asked) and at the input's (not yet normalised).
     """
-    height, width = inputs.shape[-2:]
+    inputs = batch.main
+    size = inputs.shape[2:]
     sums = {name: maps.clone() for name, maps in maps_by_layer.items()}
     full_sums = {name: maps.clone() for name, maps in full_size.items()}
     variants = [(scale, flip) for scale in dict.fromkeys(scales) for flip in (False, True)]
@@ -555,16 +785,20 @@ def _aug_smoothed(
             continue  # the plain pass, already in the sums
         augmented = inputs
         if scale != 1:
-            size = (max(1, round(height * scale)), max(1, round(width * scale)))
+            scaled = tuple(max(1, round(extent * scale)) for extent in size)
             augmented = F.interpolate(
-                inputs, size=size, mode="bilinear", align_corners=False, antialias=scale < 1
+                inputs,
+                size=scaled,
+                mode=_INTERPOLATION[inputs.dim()],
+                align_corners=False,
+                antialias=scale < 1 and inputs.dim() == 4,
             )
         if flip:
             augmented = augmented.flip(-1)
         try:
             recorded = layer_pass(
                 model,
-                augmented,
+                batch.with_main(augmented),
                 layers,
                 target,
                 gradients=cam.uses_gradients,
@@ -578,24 +812,18 @@ def _aug_smoothed(
                 f"the model rejected the input rescaled by {scale} for aug_smooth ({error}); "
                 "pass aug_smooth=(1.0,) to average over flips only"
             ) from error
-        for name, maps in _layer_maps(cam, model, augmented, recorded).items():
-            at_layer = upsample(maps, maps_by_layer[name].shape[-2:])
-            at_input = upsample(maps, (height, width))
+        raw = _layer_maps(cam, model, batch.with_main(augmented), recorded, kinds)[0]
+        for name, maps in raw.items():
+            maps = _finish(maps, relu, normalize)
+            at_layer = upsample(maps, maps_by_layer[name].shape[1:])
+            at_input = upsample(maps, size)
             sums[name] += at_layer.flip(-1) if flip else at_layer
             full_sums[name] += at_input.flip(-1) if flip else at_input
     count = len(variants) if 1 in scales else len(variants) + 1
     return (
-        {name: normalize(total / count) for name, total in sums.items()},
+        {name: _rescale(total / count, relu, normalize) for name, total in sums.items()},
         {name: total / count for name, total in full_sums.items()},
     )
-
-
-def _target_layers(
-    model: nn.Module, inputs: torch.Tensor, layer: Layer | Sequence[Layer] | None
-) -> list[str]:
-    if layer is None:
-        return [default_target_layer(model, inputs)]
-    return list(resolve_layers(model, layer))
 
 
 def _check_scores(score: torch.Tensor, batch: int) -> None:

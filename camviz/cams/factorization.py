@@ -27,6 +27,7 @@ from torch import nn
 from camviz.cams.layout import layout_of, patch_size
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import capture
+from camviz.core.layerkinds import module_kind
 from camviz.core.layers import default_target_layer, resolve_layers
 from camviz.core.maps import normalize, upsample
 from camviz.core.modelstate import eval_mode
@@ -139,7 +140,12 @@ def factorize(
             output = model(inputs)
     raw = seen.activations[layer]
     patch = patch_size(model) if raw.dim() == 3 else None
-    activations = layout_of(raw.shape, layer, inputs.shape[-2:], patch).to_spatial(raw).float()
+    # Where the channels are: as the module says, or as in the input when it passes it on.
+    kind = module_kind(model.get_submodule(layer))
+    if kind is None and raw.shape == inputs.shape:
+        kind = "channels_first"
+    activations = layout_of(raw.shape, layer, inputs.shape[-2:], patch, kind).to_spatial(raw)
+    activations = activations.float()
     batch, channels, height, width = activations.shape
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= channels:
         raise CamvizError(f"factorize needs 1 <= k <= {channels} (the channels), got {k!r}")

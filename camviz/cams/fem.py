@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import ChannelMapMethod, LayerData
+from camviz.cams.base import ChannelMapMethod, LayerData, grid_dims
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
 
@@ -48,6 +48,11 @@ class FEM(ChannelMapMethod):
 
     def weighted_activations(self, data: LayerData) -> torch.Tensor:
         activations = data.activations
-        std, mean = torch.std_mean(activations, dim=(2, 3), correction=0, keepdim=True)
+        std, mean = torch.std_mean(
+            activations, dim=grid_dims(activations), correction=0, keepdim=True
+        )
         strong = activations > mean + self.k_sigma * std
-        return strong.to(activations.dtype).mean(dim=(2, 3), keepdim=True) * activations
+        return (
+            strong.to(activations.dtype).mean(dim=grid_dims(activations), keepdim=True)
+            * activations
+        )

@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.guided import forward_from_inputs
 from camviz.cams.registry import register
+from camviz.core.inputs import Inputs
 from camviz.core.maps import normalize, upsample
 from camviz.core.targets import ScoreFn
 
@@ -30,10 +31,10 @@ class FullGradients:
     ``bias_gradients`` holds those of the spatial ones.
 
     Attributes:
-        input_gradients: ``dy/dx``, ``(N, C, H, W)``.
-        bias_gradients: ``b (*) dy/dz`` for every biased 2-D convolution and batch norm call,
-            in call order, where ``z`` is its output and ``b`` its per-channel bias broadcast
-            over locations: ``(N, C_l, h_l, w_l)`` each.
+        input_gradients: ``dy/dx`` of the map input, ``(N, C, *spatial)``.
+        bias_gradients: ``b (*) dy/dz`` for every biased convolution and batch norm call
+            (1-D, 2-D or 3-D, of the input's rank), in call order, where ``z`` is its output
+            and ``b`` its per-channel bias broadcast over locations: ``(N, C_l, *grid_l)``.
     """
 
     input_gradients: torch.Tensor
@@ -49,7 +50,7 @@ def _call_bias(
     ``s = gamma / sqrt(var + eps)``; its bias is ``beta - mu * s``. With batch statistics it
     is not affine, and has none.
     """
-    if func is F.conv2d:
+    if func in (F.conv1d, F.conv2d, F.conv3d):
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
         return None if bias is None else bias.detach()
     if func is not F.batch_norm:
@@ -73,11 +74,12 @@ class _BiasTaps(TorchFunctionMode):
 
     Intercepting the functional calls rather than modules covers ``nn.Conv2d``,
     ``nn.BatchNorm2d`` and every module built on them, such as timm's ``BatchNormAct2d``, whose
-    output is already past its activation.
+    output is already past its activation. Only outputs of the input's rank are tapped.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int) -> None:
         super().__init__()
+        self.rank = rank
         self.taps: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __torch_function__(
@@ -90,27 +92,31 @@ class _BiasTaps(TorchFunctionMode):
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
         bias = _call_bias(func, args, kwargs)
-        if bias is None or output.dim() != 4:
+        if bias is None or output.dim() != self.rank:
             return output
         delta = torch.zeros_like(output, requires_grad=True)
         self.taps.append((bias, delta))
         return output + delta
 
 
-def full_gradients(model: nn.Module, inputs: torch.Tensor, score: ScoreFn) -> FullGradients:
+def full_gradients(
+    model: nn.Module, inputs: torch.Tensor | Inputs, score: ScoreFn
+) -> FullGradients:
     """The input- and bias-gradients of ``score`` for a batch, in one backward pass.
 
     Args:
         model: The network, in eval mode (batch norms use their running statistics).
-        inputs: ``(N, C, H, W)`` batch.
+        inputs: An ``(N, C, *spatial)`` batch, or several inputs (the map input's gradient
+            is taken).
         score: Maps the model's output to the ``(N,)`` explained scores.
     """
-    recorder = _BiasTaps()
-    leaf, total = forward_from_inputs(model, inputs, score, recorder)
+    main = inputs.main if isinstance(inputs, Inputs) else inputs
+    recorder = _BiasTaps(main.dim())
+    leaves, total = forward_from_inputs(model, inputs, score, recorder)
     deltas = [delta for _, delta in recorder.taps]
-    gradients = torch.autograd.grad(total, [leaf, *deltas], allow_unused=True)
+    gradients = torch.autograd.grad(total, [*leaves.values(), *deltas], allow_unused=True)
     bias_gradients = [
-        bias.view(1, -1, 1, 1) * gradient
+        bias.view(1, -1, *[1] * (main.dim() - 2)) * gradient
         for (bias, _), gradient in zip(recorder.taps, gradients[1:], strict=True)
         if gradient is not None
     ]
@@ -118,7 +124,7 @@ def full_gradients(model: nn.Module, inputs: torch.Tensor, score: ScoreFn) -> Fu
 
 
 def _channel_normalised_sum(maps: torch.Tensor) -> torch.Tensor:
-    """``sum_c psi(maps_c)`` with ``psi`` = min-max rescaling of ``|.|``, ``(N, h, w)``."""
+    """``sum_c psi(maps_c)`` with ``psi`` = min-max rescaling of ``|.|``, ``(N, *grid)``."""
     return normalize(maps.abs().flatten(0, 1)).view_as(maps).sum(dim=1)
 
 
@@ -131,7 +137,7 @@ class FullGrad(CamMethod):
 
     With ``psi`` = absolute value, then min-max rescaling, then bilinear upsampling to the
     input, applied to each channel ``c`` of the input term and of each layer ``l`` with a
-    bias ``b_l`` (2-D convolutions, and batch norms in eval mode)::
+    bias ``b_l`` (convolutions, and batch norms in eval mode, of the input's rank)::
 
         S(x) = sum_c psi( dy/dx (*) x )_c + sum_l sum_c psi( b_l,c * dy/dz_l,c )
 
@@ -155,8 +161,8 @@ class FullGrad(CamMethod):
     uses_gradients = False
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
-        decomposition = full_gradients(data.model, data.inputs, data.score)
-        size = data.inputs.shape[-2:]
+        decomposition = full_gradients(data.model, data.batch or data.inputs, data.score)
+        size = data.inputs.shape[2:]
         total = _channel_normalised_sum(data.inputs * decomposition.input_gradients)
         for bias_gradient in decomposition.bias_gradients:
             # Upsampling is linear, so summing the channels first gives the same map, cheaper.

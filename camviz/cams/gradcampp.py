@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import ChannelMapMethod, LayerData
+from camviz.cams.base import ChannelWeighted, LayerData, grid_dims
 from camviz.cams.engine import layer_pass
 from camviz.cams.noise import SampleNoise
 from camviz.cams.registry import register
@@ -21,23 +21,24 @@ def plusplus_weights(
     respect to ``A``.
 
     Args:
-        activations: ``A``, ``(N, C, h, w)``.
+        activations: ``A``, ``(N, C, *grid)``.
         first: ``dy/dA`` (or its average over noisy inputs).
         second: ``(dy/dA)^2`` (or the average of the squares).
         third: ``(dy/dA)^3`` (or the average of the cubes).
 
     Returns:
-        ``w_k``, ``(N, C, 1, 1)``.
+        The ``(N, C)`` weights ``w_k``.
     """
-    total = activations.sum(dim=(2, 3), keepdim=True)
+    dims = grid_dims(activations)
+    total = activations.sum(dim=dims, keepdim=True)
     denominator = 2 * second + total * third
     # A zero denominator means a zero gradient there (or an underflow): that pixel adds nothing.
     alpha = torch.where(denominator != 0, second / denominator, 0)
-    return (alpha * torch.relu(first)).sum(dim=(2, 3), keepdim=True)
+    return (alpha * torch.relu(first)).sum(dim=dims)
 
 
 @register
-class GradCAMPlusPlus(ChannelMapMethod):
+class GradCAMPlusPlus(ChannelWeighted):
     """Grad-CAM++.
 
     Paper: Chattopadhay, Sarkar, Howlader and Balasubramanian, "Grad-CAM++: Generalized
@@ -69,15 +70,14 @@ class GradCAMPlusPlus(ChannelMapMethod):
         "Deep Convolutional Networks, WACV 2018"
     )
 
-    def weighted_activations(self, data: LayerData) -> torch.Tensor:
+    def channel_weights(self, data: LayerData) -> torch.Tensor:
         gradients = data.dy_da
         squared = gradients.square()
-        weights = plusplus_weights(data.activations, gradients, squared, squared * gradients)
-        return weights * data.activations
+        return plusplus_weights(data.activations, gradients, squared, squared * gradients)
 
 
 @register
-class SmoothGradCAMPlusPlus(ChannelMapMethod):
+class SmoothGradCAMPlusPlus(ChannelWeighted):
     """Smooth Grad-CAM++: Grad-CAM++ with derivatives averaged over noisy copies of the input.
 
     Paper: Omeiza, Speakman, Cintas and Weldermariam, "Smooth Grad-CAM++: An Enhanced Inference
@@ -137,20 +137,22 @@ class SmoothGradCAMPlusPlus(ChannelMapMethod):
         self.noise = noise
         self.seed = seed
 
-    def weighted_activations(self, data: LayerData) -> torch.Tensor:
+    def channel_weights(self, data: LayerData) -> torch.Tensor:
         inputs = data.inputs
         noise = SampleNoise(inputs.shape[0], self.seed, inputs.device)
         every_sample = torch.arange(inputs.shape[0])
         low, high = inputs.flatten(1).aminmax(dim=1)
-        sigma = (self.noise * (high - low)).view(-1, 1, 1, 1)
+        sigma = (self.noise * (high - low)).view(-1, *[1] * (inputs.dim() - 1))
         moments = data.activations.new_zeros(3, *data.activations.shape)
         assert data.layout is not None  # the engine gives every layer its layout
         for _ in range(self.samples):
             draw = noise.draw(every_sample, inputs.shape[1:], inputs.dtype)
             # The score function is the explained target itself, so class ids, callables and
             # any output type carry over to the noisy batch unchanged.
-            noisy = layer_pass(data.model, inputs + sigma * draw, [data.layer], data.score)
+            noisy_inputs = inputs + sigma * draw
+            batch = data.batch.with_main(noisy_inputs) if data.batch is not None else noisy_inputs
+            noisy = layer_pass(data.model, batch, [data.layer], data.score)
             gradients = data.layout.to_spatial(noisy.gradients[data.layer][0])
             moments += torch.stack([gradients, gradients.square(), gradients.pow(3)])
         first, second, third = moments / self.samples
-        return plusplus_weights(data.activations, first, second, third) * data.activations
+        return plusplus_weights(data.activations, first, second, third)

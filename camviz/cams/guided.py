@@ -24,10 +24,10 @@ Backprop on a model without ReLUs would silently equal vanilla gradients.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
@@ -38,68 +38,114 @@ from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.gradcam import GradCAM
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
+from camviz.core.inputs import Inputs, Key
 from camviz.core.maps import upsample
 from camviz.core.targets import ScoreFn
 
 
 def forward_from_inputs(
     model: nn.Module,
-    inputs: torch.Tensor,
+    inputs: torch.Tensor | Inputs,
     score: ScoreFn,
     during_forward: AbstractContextManager[Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the model on a copy of ``inputs`` that requires grad, with grad enabled.
+    keys: Sequence[Key] | None = None,
+) -> tuple[dict[Key, torch.Tensor], torch.Tensor]:
+    """Run the model on copies of its inputs that require grad, with grad enabled.
 
     Args:
         model: The network, in the mode wanted (eval for explanations).
-        inputs: ``(N, C, H, W)`` batch.
+        inputs: An ``(N, C, *spatial)`` batch, or several inputs (:mod:`camviz.core.inputs`).
         score: Maps the model's output to the ``(N,)`` explained scores.
         during_forward: A context entered for the model's forward pass only, not for the
             score (the guided ReLUs, FullGrad's bias taps).
+        keys: The inputs to copy (by position or name); by default the map input.
 
     Returns:
-        ``(leaf, total)``: the copy, to differentiate with respect to, and the sum of the
-        ``(N,)`` explained scores with its graph. Samples do not interact in eval mode, so
-        the gradient of the sum holds each sample's own gradient.
+        ``(leaves, total)``: the copies by key, to differentiate with respect to, and the
+        sum of the ``(N,)`` explained scores with its graph. Samples do not interact in eval
+        mode, so the gradient of the sum holds each sample's own gradient.
 
     Raises:
-        CamvizError: The score does not depend on the input.
+        CamvizError: The score does not depend on the inputs.
     """
+    batch = inputs if isinstance(inputs, Inputs) else Inputs((inputs,), {}, 0, len(inputs))
     # A caller's inference mode would stop the graph as no_grad does not (as in layer_pass);
     # an input made under it is an inference tensor, which can only lead a graph as a copy.
     with torch.inference_mode(False), torch.enable_grad():
-        leaf = inputs.clone() if inputs.is_inference() else inputs.detach()
-        leaf.requires_grad_()
+        leaves = {
+            key: (batch[key].clone() if batch[key].is_inference() else batch[key].detach())
+            for key in keys or [batch.key]
+        }
+        for leaf in leaves.values():
+            leaf.requires_grad_()
         with during_forward or nullcontext():
-            output = model(leaf)
+            output = batch.replaced(leaves)(model)
         total = score(output).sum()
     if not total.requires_grad:
         raise CamvizError(
             "the explained score does not depend on the input; pick a target computed from "
             "the model's output"
         )
-    return leaf, total
+    return leaves, total
 
 
 def input_gradients(
-    model: nn.Module, inputs: torch.Tensor, score: ScoreFn, *, guided: bool = False
+    model: nn.Module, inputs: torch.Tensor | Inputs, score: ScoreFn, *, guided: bool = False
 ) -> torch.Tensor:
-    """``dy/dx`` for each sample, ``(N, C, H, W)``, in one batched backward pass.
+    """``dy/dx`` of the map input for each sample, ``(N, C, *spatial)``, in one batched
+    backward pass (:func:`all_input_gradients` for every input).
 
     Args:
         model: The network, in the mode wanted (eval for explanations).
-        inputs: ``(N, C, H, W)`` batch.
+        inputs: An ``(N, C, *spatial)`` batch, or several inputs.
         score: Maps the model's output to the ``(N,)`` explained scores.
         guided: Back-propagate through the model's rectifiers as Guided Backprop does.
     """
-    leaf, total = forward_from_inputs(model, inputs, score, guided_relus() if guided else None)
-    (gradients,) = torch.autograd.grad(total, leaf)
+    leaves, total = forward_from_inputs(model, inputs, score, guided_relus() if guided else None)
+    (gradients,) = torch.autograd.grad(total, list(leaves.values()))
     return gradients
 
 
+def all_input_gradients(
+    model: nn.Module, inputs: Inputs, score: ScoreFn, *, guided: bool = False
+) -> dict[Key, torch.Tensor]:
+    """``dy/dx`` of every input with spatial axes, by key, from one backward pass."""
+    keys = inputs.spatial_keys()
+    leaves, total = forward_from_inputs(
+        model, inputs, score, guided_relus() if guided else None, keys
+    )
+    gradients = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
+    return {
+        key: torch.zeros_like(leaves[key]) if gradient is None else gradient
+        for key, gradient in zip(keys, gradients, strict=True)
+    }
+
+
 def saliency(gradients: torch.Tensor) -> torch.Tensor:
-    """The ``(N, H, W)`` map ``max_c |g_c|`` of ``(N, C, H, W)`` input gradients."""
+    """The ``(N, *spatial)`` map ``max_c |g_c|`` of ``(N, C, *spatial)`` input gradients."""
     return gradients.abs().amax(dim=1)
+
+
+class InputGradientMethod(CamMethod):
+    """A method whose map is ``max_c |g_c|`` of an input gradient: it gives a map for every
+    input with spatial axes (:meth:`input_maps`); the map input's is its layer map."""
+
+    guided: ClassVar[bool] = False
+    needs = "input gradients"
+    input_resolution = True
+    pixel_level = True
+    uses_gradients = False
+
+    def input_maps(self, data: LayerData) -> dict[Key, torch.Tensor]:
+        """``{input position or name: (N, *spatial) map}`` for every spatial input."""
+        batch = data.batch or Inputs((data.inputs,), {}, 0, len(data.inputs))
+        gradients = all_input_gradients(data.model, batch, data.score, guided=self.guided)
+        return {key: saliency(gradient) for key, gradient in gradients.items()}
+
+    def layer_map(self, data: LayerData) -> torch.Tensor:
+        return saliency(
+            input_gradients(data.model, data.batch or data.inputs, data.score, guided=self.guided)
+        )
 
 
 class _GuidedActivation(torch.autograd.Function):
@@ -192,7 +238,7 @@ def guided_relus() -> TorchFunctionMode:
 
 
 @register
-class VanillaGradients(CamMethod):
+class VanillaGradients(InputGradientMethod):
     """Vanilla gradients (image-specific class saliency).
 
     Paper: Simonyan, Vedaldi and Zisserman, "Deep Inside Convolutional Networks: Visualising
@@ -207,20 +253,13 @@ class VanillaGradients(CamMethod):
         "Simonyan et al., Deep Inside Convolutional Networks: Visualising Image "
         "Classification Models and Saliency Maps, ICLR workshop 2014"
     )
-    needs = "input gradients"
-    input_resolution = True
-    pixel_level = True
     # Raw input gradients in bf16: correlation with the fp32 map 0.81 on EfficientNet-Lite0
     # (benchmarks/bench_precision.py), so it stays fp32.
     reduced_precision = False
-    uses_gradients = False
-
-    def layer_map(self, data: LayerData) -> torch.Tensor:
-        return saliency(input_gradients(data.model, data.inputs, data.score))
 
 
 @register
-class GuidedBackprop(CamMethod):
+class GuidedBackprop(InputGradientMethod):
     """Guided Backprop.
 
     Paper: Springenberg, Dosovitskiy, Brox and Riedmiller, "Striving for Simplicity: The All
@@ -249,12 +288,7 @@ class GuidedBackprop(CamMethod):
         "ICLR workshop 2015"
     )
     needs = "input gradients through guided ReLUs"
-    input_resolution = True
-    pixel_level = True
-    uses_gradients = False
-
-    def layer_map(self, data: LayerData) -> torch.Tensor:
-        return saliency(input_gradients(data.model, data.inputs, data.score, guided=True))
+    guided = True
 
 
 @register
@@ -279,6 +313,6 @@ class GuidedGradCAM(CamMethod):
     pixel_level = True
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
-        cam = upsample(torch.relu(GradCAM().layer_map(data)), data.inputs.shape[-2:])
-        guided = input_gradients(data.model, data.inputs, data.score, guided=True)
+        cam = upsample(torch.relu(GradCAM().layer_map(data)), data.inputs.shape[2:])
+        guided = input_gradients(data.model, data.batch or data.inputs, data.score, guided=True)
         return saliency(guided) * cam

@@ -1,21 +1,25 @@
-"""Where the channels and the image grid are in a layer's output, and its ``(N, C, h, w)`` view.
+"""Where the channels and the grid are in a layer's output, and its ``(N, C, *grid)`` view.
 
-CAM maths works on ``(N, C, h, w)`` feature maps. Layers emit three layouts:
+CAM maths works on channels-first feature maps ``(N, C, *grid)`` with a grid of one, two
+or three axes (signals, images, volumes and clips). Layers emit three layouts
+(:data:`camviz.core.layerkinds.Kind`):
 
-* ``nchw`` - convolutional networks: ``(N, C, h, w)``, used as it is;
-* ``nhwc`` - channels last, as Swin transformers (timm and torchvision) emit between blocks:
-  ``(N, h, w, C)``;
-* ``tokens`` - vision transformers: ``(N, T, C)`` with ``T = P + h * w``, where the ``P``
-  leading tokens are not image patches (the class token, DeiT's distillation token, register
-  tokens) and the ``h * w`` patch tokens follow in row-major order.
+* ``"channels_first"`` - convolutional networks: ``(N, C, L)``, ``(N, C, H, W)``,
+  ``(N, C, D, H, W)``, used as they are;
+* ``"channels_last"`` - ``(N, H, W, C)`` (Swin transformers between blocks) and the like;
+* ``"tokens"`` - transformers: ``(N, T, C)`` with ``T = P + prod(grid)``, where the ``P``
+  leading tokens are not patches (class, distillation and register tokens) and the patch
+  tokens follow in row-major order.
 
-The grid is inferred from the input size, never assumed (no fixed ``14 x 14``): for tokens,
-``(h, w) = (H / s, W / s)`` for the patch stride ``s`` (the model's patch embedding when it
-has one, else the largest stride-consistent grid that fits in ``T``), and ``P = T - h * w``.
-A 4-D output is channels last when its dims 1-2, not 2-3, match the input's aspect ratio
-(``(N, 8, 8, 32)`` for a ``64 x 64`` input); when both readings fit (``(N, 16, 16, 16)`` for
-a square input) it is read as ``nchw``; pick a layer whose channel count differs from its
-width then.
+Which one a layer emits is decided from what produced it (:mod:`camviz.core.layerkinds`):
+its module kind, or that of the module that produced the same tensor; the shape is used
+only where the kind is unknown and the shape leaves one reading (an ``(N, A, B, C)`` map
+whose axes 2-3, but not 1-2, have the input's proportions). Anything else raises and names
+``layout=``, the argument of :func:`camviz.explain` that settles it.
+
+The grid of tokens is inferred from the input size, never assumed: ``grid = size / s`` for
+the patch stride ``s`` (the model's patch embedding when it has one, else the largest
+stride-consistent grid that fits in ``T``), and ``P = T - prod(grid)``.
 
 The same :class:`Layout` serves activations and their gradients (same shape, same layout),
 and methods that edit a layer's output (Ablation-CAM) use :attr:`Layout.channel_dim`.
@@ -26,14 +30,30 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 
 from camviz.core.errors import CamvizError
+from camviz.core.layerkinds import Kind
 
-Kind = Literal["nchw", "nhwc", "tokens"]
+# What layout= accepts: the three kinds, and the usual spellings of the first two.
+LAYOUT_NAMES: dict[str, Kind] = {
+    "channels_first": "channels_first",
+    "ncl": "channels_first",
+    "nchw": "channels_first",
+    "ncdhw": "channels_first",
+    "channels_last": "channels_last",
+    "nlc": "channels_last",
+    "nhwc": "channels_last",
+    "ndhwc": "channels_last",
+    "tokens": "tokens",
+}
+
+LAYOUT_HINT = (
+    "pass layout='channels_first' (N, C, *grid), 'channels_last' (N, *grid, C) or "
+    "'tokens' (N, T, C) to say which it is"
+)
 
 
 @dataclass(frozen=True)
@@ -41,69 +61,101 @@ class Layout:
     """The layout of one layer's output.
 
     Attributes:
-        kind: ``"nchw"``, ``"nhwc"`` or ``"tokens"``.
-        height: Rows ``h`` of the grid.
-        width: Columns ``w`` of the grid.
-        prefix: Leading tokens that are not patches (``tokens`` only): class, distillation
-            and register tokens.
+        kind: ``"channels_first"``, ``"channels_last"`` or ``"tokens"``.
+        grid: The grid's size, one to three axes.
+        prefix: Leading tokens that are not patches (``tokens`` only).
     """
 
     kind: Kind
-    height: int
-    width: int
+    grid: tuple[int, ...]
     prefix: int = 0
 
     @property
     def channel_dim(self) -> int:
         """The channel dimension of the layer's own output."""
-        return 1 if self.kind == "nchw" else -1
+        return 1 if self.kind == "channels_first" else -1
 
     def to_spatial(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The ``(N, C, h, w)`` view of an output (or its gradient) in this layout."""
-        if self.kind == "nchw":
+        """The ``(N, C, *grid)`` view of an output (or its gradient) in this layout."""
+        if self.kind == "channels_first":
             return tensor
-        if self.kind == "nhwc":
-            return tensor.permute(0, 3, 1, 2)
-        patches = tensor[:, self.prefix :]
-        return patches.unflatten(1, (self.height, self.width)).permute(0, 3, 1, 2)
+        if self.kind == "channels_last":
+            return tensor.movedim(-1, 1)
+        return tensor[:, self.prefix :].unflatten(1, self.grid).movedim(-1, 1)
+
+
+def layout_kind(name: str) -> Kind:
+    """The kind a ``layout=`` value names."""
+    if not isinstance(name, str) or name.lower() not in LAYOUT_NAMES:
+        raise CamvizError(
+            f"unknown layout {name!r}; use 'channels_first', 'channels_last' or 'tokens'"
+        )
+    return LAYOUT_NAMES[name.lower()]
 
 
 def layout_of(
     shape: Sequence[int],
     layer: str,
     input_size: Sequence[int] | None = None,
-    patch_size: int | None = None,
+    patch_size: int | Sequence[int] | None = None,
+    kind: Kind | None = None,
 ) -> Layout:
     """The layout of an output of ``shape`` produced for an input of ``input_size``.
 
     Args:
         shape: The layer output's shape, batch first.
         layer: The layer's name, for error messages.
-        input_size: ``(H, W)`` of the input batch. Without it, 4-D outputs are read as
-            ``nchw`` and token grids are assumed square.
+        input_size: The input's spatial size (``(L,)``, ``(H, W)`` or ``(D, H, W)``).
+            Without it, outputs are read as channels first and token grids as square.
         patch_size: The model's patch stride (see :func:`patch_size`), when known.
+        kind: What the producing module says (or ``layout=``); ``None``: only the shape.
 
     Raises:
-        CamvizError: The output is not a feature map or a token sequence with a grid.
+        CamvizError: The output is not a feature map or a token grid, or its layout cannot
+            be told without ``layout=``.
     """
     shape = tuple(shape)
-    if len(shape) == 4:
-        if input_size is not None and _is_channels_last(shape, input_size):
-            return Layout("nhwc", shape[1], shape[2])
-        return Layout("nchw", shape[2], shape[3])
-    if len(shape) == 3:
-        height, width = _token_grid(shape[1], input_size, patch_size)
-        if _holds(shape[1], (height, width)):
-            return Layout("tokens", height, width, shape[1] - height * width)
+    size = None if input_size is None else tuple(input_size)
+    if len(shape) < 3:
         raise CamvizError(
-            f"layer {layer!r} outputs {shape[1]} tokens, which do not form a patch grid for an "
-            f"input of size {tuple(input_size) if input_size else '?'}; pick a transformer "
-            "block (or its norm) that keeps the patch tokens"
+            f"layer {layer!r} outputs shape {shape}, not a feature map: it has no spatial "
+            "axes; pick a convolutional layer or a transformer block"
         )
+    if kind is None:
+        kind = _kind_from_shape(shape, layer, size, patch_size)
+    if kind == "channels_first":
+        return Layout("channels_first", shape[2:])
+    if kind == "channels_last" and len(shape) > 3:
+        return Layout("channels_last", shape[1:-1])
+    grid = _token_grid(shape[1], size, patch_size)
+    if _holds(shape[1], grid):
+        return Layout("tokens", grid, shape[1] - math.prod(grid))
     raise CamvizError(
-        f"layer {layer!r} outputs shape {shape}, not a feature map: it is not a (N, C, H, W) "
-        "feature map, a channels-last (N, H, W, C) one or a token sequence (N, T, C); pick a "
-        "convolutional layer or a transformer block"
+        f"layer {layer!r} outputs {shape[1]} tokens, which do not form a patch grid for an "
+        f"input of size {size if size else '?'}; pick a transformer block (or its norm) that "
+        "keeps the patch tokens"
+    )
+
+
+def _kind_from_shape(
+    shape: tuple[int, ...],
+    layer: str,
+    size: tuple[int, ...] | None,
+    patch: int | Sequence[int] | None,
+) -> Kind:
+    """The layout when nothing but the shape speaks: only where one reading is possible."""
+    if size is None:
+        return "channels_first" if len(shape) > 3 else "tokens"
+    if len(shape) == len(size) + 2 and len(size) > 1:
+        first = _matches_input(shape[2:], size)
+        last = _matches_input(shape[1:-1], size)
+        if not (first and last):
+            return "channels_last" if last else "channels_first"
+    elif len(shape) == 3 and len(size) > 1 and patch is not None:
+        return "tokens"
+    raise CamvizError(
+        f"cannot tell how layer {layer!r} lays out its output of shape {shape} for an input "
+        f"of size {size} (nothing that produced it says); {LAYOUT_HINT}"
     )
 
 
@@ -111,74 +163,79 @@ def as_spatial(
     tensor: torch.Tensor,
     layer: str,
     input_size: Sequence[int] | None = None,
-    patch_size: int | None = None,
+    patch_size: int | Sequence[int] | None = None,
+    kind: Kind | None = None,
 ) -> torch.Tensor:
-    """A layer's output (or its gradient) as an ``(N, C, h, w)`` map; see :func:`layout_of`."""
-    return layout_of(tensor.shape, layer, input_size, patch_size).to_spatial(tensor)
+    """A layer's output (or its gradient) as an ``(N, C, *grid)`` map; see :func:`layout_of`."""
+    return layout_of(tensor.shape, layer, input_size, patch_size, kind).to_spatial(tensor)
 
 
-def patch_size(model: nn.Module) -> int | None:
-    """The stride of the model's patch embedding, or ``None`` if it has none.
+def patch_size(model: nn.Module) -> tuple[int, ...] | None:
+    """The stride of the model's patch embedding per axis, or ``None`` if it has none.
 
-    The patch embedding is the first ``Conv2d`` whose kernel equals its stride (timm's
-    ``patch_embed.proj``, torchvision's ``conv_proj``), as in ViT, DeiT and Swin.
+    The patch embedding is the first convolution whose kernel equals its stride (timm's
+    ``patch_embed.proj``, torchvision's ``conv_proj``, a video transformer's tubelets), as
+    in ViT, DeiT and Swin.
     """
     for module in model.modules():
         if (
-            isinstance(module, nn.Conv2d)
+            isinstance(module, nn.modules.conv._ConvNd)
             and module.kernel_size == module.stride
-            and module.stride[0] == module.stride[1] > 1
+            and max(module.stride) > 1
         ):
-            return module.stride[0]
+            return tuple(module.stride)
     return None
 
 
-def _matches_input(rows: int, cols: int, input_size: Sequence[int]) -> bool:
-    """Whether a ``rows x cols`` grid has the input's aspect ratio, up to rounding.
+def _matches_input(grid: Sequence[int], size: Sequence[int]) -> bool:
+    """Whether a grid has the input's proportions on every pair of axes, up to rounding.
 
-    A grid of stride ``s`` has ``rows = H / s + e`` with ``|e|`` about one (padding,
-    rounding), so ``rows / H - cols / W`` is at most about ``1 / H + 1 / W`` in size.
+    A grid of stride ``s`` has ``g_i = S_i / s + e`` with ``|e|`` about one (padding,
+    rounding), so ``g_i S_j - g_j S_i`` is at most about ``S_i + S_j`` in size.
     """
-    height, width = input_size
-    return abs(rows * width - cols * height) <= 2 * (height + width)
-
-
-def _is_channels_last(shape: tuple[int, ...], input_size: Sequence[int]) -> bool:
-    return _matches_input(shape[1], shape[2], input_size) and not _matches_input(
-        shape[2], shape[3], input_size
+    return all(
+        abs(grid[i] * size[j] - grid[j] * size[i]) <= 2 * (size[i] + size[j])
+        for i in range(len(size))
+        for j in range(i + 1, len(size))
     )
 
 
 def _token_grid(
-    tokens: int, input_size: Sequence[int] | None, patch: int | None
-) -> tuple[int, int]:
-    """The patch grid ``(h, w)`` of ``tokens`` tokens for this input (``(0, 0)`` if none).
+    tokens: int, size: tuple[int, ...] | None, patch: int | Sequence[int] | None
+) -> tuple[int, ...]:
+    """The patch grid of ``tokens`` tokens for this input (all zeros if none).
 
     The grid of the model's patch stride wins when the tokens hold it (with fewer extra
     tokens than patches); otherwise the largest stride-consistent grid that fits.
     """
-    if input_size is None:
+    if size is None:
         side = math.isqrt(tokens)
         return side, side
-    if patch and _holds(tokens, best := _largest_grid(tokens, input_size, [patch])):
-        return best
-    return _largest_grid(tokens, input_size, range(1, max(input_size) + 1))
+    if patch is not None:
+        strides = (patch,) * len(size) if isinstance(patch, int) else tuple(patch)
+        if len(strides) == len(size) and _holds(
+            tokens, best := _largest_grid(tokens, size, [strides])
+        ):
+            return best
+    uniform = [(stride,) * len(size) for stride in range(1, max(size) + 1)]
+    return _largest_grid(tokens, size, uniform)
 
 
 def _largest_grid(
-    tokens: int, input_size: Sequence[int], strides: Iterable[int]
-) -> tuple[int, int]:
-    height, width = input_size
+    tokens: int, size: tuple[int, ...], strides: Iterable[tuple[int, ...]]
+) -> tuple[int, ...]:
     candidates = []
     for stride in strides:
         # Patch embeddings drop a partial last patch (floor) or pad it (ceil).
-        candidates.append((height // stride, width // stride))
-        candidates.append((-(-height // stride), -(-width // stride)))
-    fitting = [(rows, cols) for rows, cols in candidates if 0 < rows * cols <= tokens]
-    return max(fitting, key=lambda grid: grid[0] * grid[1], default=(0, 0))
+        candidates.append(tuple(extent // step for extent, step in zip(size, stride, strict=True)))
+        candidates.append(
+            tuple(-(-extent // step) for extent, step in zip(size, stride, strict=True))
+        )
+    fitting = [grid for grid in candidates if 0 < math.prod(grid) <= tokens]
+    return max(fitting, key=math.prod, default=(0,) * len(size))
 
 
-def _holds(tokens: int, grid: tuple[int, int]) -> bool:
+def _holds(tokens: int, grid: tuple[int, ...]) -> bool:
     """Whether ``tokens`` is a grid of patches plus fewer extra tokens than patches."""
-    patches = grid[0] * grid[1]
+    patches = math.prod(grid)
     return 0 < patches <= tokens and tokens - patches < patches

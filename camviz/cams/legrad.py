@@ -282,5 +282,5 @@ class LeGrad(CamMethod):
                 (gradient,) = torch.autograd.grad(score, taps.deltas[index], retain_graph=True)
                 total = total + gradient.clamp_min(0).mean(dim=(1, 2))
             patches = total[:, layout.prefix :] / len(used)
-            maps.append(patches.unflatten(1, (layout.height, layout.width)))
+            maps.append(patches.unflatten(1, layout.grid))
         return maps

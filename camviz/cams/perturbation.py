@@ -13,16 +13,16 @@ from typing import Any
 
 import torch
 
-from camviz.cams.base import CamMethod, ChannelMapMethod, LayerData
+from camviz.cams.base import CamMethod, ChannelWeighted, LayerData
 from camviz.core.errors import CamvizError
 
 
-class PerturbationMethod(ChannelMapMethod):
+class PerturbationMethod(ChannelWeighted):
     """Base of the methods that weigh channels by scoring perturbed copies.
 
-    Subclasses implement :meth:`rank_maps`, which scores every rank of a top-k target from
-    the same perturbed passes (a single rank is the one-element case), and turn each rank's
-    ``(N, C)`` channel weights into a map with :meth:`weighted_map`.
+    Subclasses implement :meth:`rank_weights`, which scores every rank of a top-k target
+    from the same perturbed passes (a single rank is the one-element case); the engine
+    turns each rank's ``(N, C)`` channel weights into a map.
 
     Args:
         batch_size: Perturbed copies per forward pass (bounds memory); ``None`` lets the
@@ -38,13 +38,8 @@ class PerturbationMethod(ChannelMapMethod):
             None if batch_size is None else checked_count(self, "batch_size", batch_size)
         )
 
-    def layer_map(self, data: LayerData) -> torch.Tensor:
-        return self.rank_maps([data])[0]
-
-    def weighted_map(self, weights: torch.Tensor, activations: torch.Tensor) -> torch.Tensor:
-        """The ``(N, h, w)`` map of ``(N, C)`` channel weights on ``(N, C, h, w)``
-        activations: ``sum_k w_k A^k``, or its ``eigen_smooth`` counterpart."""
-        return self.combine(weights[:, :, None, None] * activations)
+    def channel_weights(self, data: LayerData) -> torch.Tensor:
+        return self.rank_weights([data])[0]
 
 
 def checked_count(method: CamMethod, option: str, value: int) -> int:

@@ -37,7 +37,8 @@ def signed_like(projection: torch.Tensor, reference: torch.Tensor) -> torch.Tens
     """``projection`` (``(N, h, w)``), negated for each map that anti-correlates with
     ``reference`` (same shape), so that both are large in the same places."""
     agreement = (projection * reference.to(projection.dtype)).flatten(1).sum(dim=1)
-    return torch.where(agreement.view(-1, 1, 1) < 0, -projection, projection)
+    flip = agreement.view(-1, *[1] * (projection.dim() - 1)) < 0  # any grid rank
+    return torch.where(flip, -projection, projection)
 
 
 def first_principal_component(features: torch.Tensor, *, center: bool = True) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import ChannelMapMethod, LayerData
+from camviz.cams.base import ChannelMapMethod, ChannelWeighted, LayerData
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
 
@@ -54,4 +54,4 @@ class RandomCAM(ChannelMapMethod):
             uniform = torch.rand(channels, generator=generator, device=device, dtype=dtype)
             uniform = uniform.expand(batch, -1)
         weights = 2 * uniform - 1  # in [-1, 1)
-        return weights[:, :, None, None] * activations
+        return ChannelWeighted.terms(weights, activations)

@@ -101,8 +101,7 @@ class ScoreCAM(PerturbationMethod):
             )
         self.weighting = weighting
 
-    def rank_maps(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
-        activations = ranks[0].activations
+    def rank_weights(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
         if self.weighting == "probability":
             ranks = [
                 dataclasses.replace(data, score=probability_score(data.score)) for data in ranks
@@ -111,7 +110,7 @@ class ScoreCAM(PerturbationMethod):
             weights = self.channel_scores(ranks)
         if self.weighting == "softmax":
             weights = weights.softmax(dim=-1)
-        return [self.weighted_map(rank, activations) for rank in weights]
+        return list(weights)
 
     def channel_scores(self, ranks: Sequence[LayerData]) -> torch.Tensor:
         """``(K, N, C)``: the score of each rank for each image masked by each channel."""
@@ -129,10 +128,11 @@ class ScoreCAM(PerturbationMethod):
             masks = scale * self.masks(data, samples, channels)
             masked = data.inputs[samples] * masks.unsqueeze(1)
             # .to: a model run under bf16 / fp16 autocast scores in that dtype
-            scored = rank_scores(data.model(masked), ranks, samples)
+            scored = rank_scores(data.run(masked, samples), ranks, samples)
             scores[:, samples, channels] = scored.to(scores.dtype)
         if constant.any():
-            blank = data.model(torch.zeros_like(data.inputs[:1]))
+            first = torch.zeros(1, dtype=torch.long, device=data.inputs.device)
+            blank = data.run(torch.zeros_like(data.inputs[:1]), first)
             batch = torch.arange(constant.shape[0], device=constant.device)
             blank_scores = rank_scores(take_rows(blank, torch.zeros_like(batch)), ranks, batch)
             scores = torch.where(constant, blank_scores.unsqueeze(-1), scores)
@@ -148,8 +148,8 @@ class ScoreCAM(PerturbationMethod):
 
     @staticmethod
     def masks(data: LayerData, samples: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
-        """``(R, H, W)`` masks ``s(U(A^k))`` of the given (image, channel) pairs."""
-        return normalize(upsample(data.activations[samples, channels], data.inputs.shape[-2:]))
+        """``(R, *spatial)`` masks ``s(U(A^k))`` of the given (sample, channel) pairs."""
+        return normalize(upsample(data.activations[samples, channels], data.inputs.shape[2:]))
 
 
 @register
@@ -224,7 +224,7 @@ class SSCAM(ScoreCAM):
                 draw = noise.draw(samples, masks.shape[1:], masks.dtype)
                 masked = inputs[samples] * (masks + self.std * draw).unsqueeze(1)
                 scores[:, samples, chunk_channels] += rank_scores(
-                    data.model(masked), ranks, samples
+                    data.run(masked, samples), ranks, samples
                 )
         return scores / self.num_samples
 

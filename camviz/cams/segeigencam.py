@@ -40,4 +40,4 @@ class SegEigenCAM(CamMethod):
         projection = principal_projection(data.dy_da.abs() * data.activations)
         extremes = projection.flatten(1)
         flip = extremes.amin(dim=1).abs() > extremes.amax(dim=1).abs()
-        return torch.where(flip.view(-1, 1, 1), -projection, projection)
+        return torch.where(flip.view(-1, *[1] * (projection.dim() - 1)), -projection, projection)

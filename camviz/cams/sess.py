@@ -103,6 +103,7 @@ class SESS(Wrapper):
     name = "sess"
     paper = "Tyagi et al., SESS: Saliency Enhancing with Scaling and Sliding, ECCV 2022"
     needs = "its base method (default gradcam) on every window of several rescaled copies"
+    spatial_ranks = (2,)  # windows of images
     default_base = "gradcam"
     input_resolution = True
 

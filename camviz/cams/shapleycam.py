@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import ChannelMapMethod, LayerData
+from camviz.cams.base import ChannelMapMethod, LayerData, grid_dims
 from camviz.cams.registry import register
 
 
@@ -43,5 +43,7 @@ class ShapleyCAM(ChannelMapMethod):
 
     def weighted_activations(self, data: LayerData) -> torch.Tensor:
         assert data.hessian_products is not None  # uses_hessian: the engine records them
-        weights = (data.dy_da - 0.5 * data.hessian_products).mean(dim=(2, 3), keepdim=True)
+        weights = (data.dy_da - 0.5 * data.hessian_products).mean(
+            dim=grid_dims(data.dy_da), keepdim=True
+        )
         return weights * data.activations

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from camviz.cams.base import ChannelMapMethod, LayerData
+from camviz.cams.base import ChannelWeighted, LayerData, grid_dims
 from camviz.cams.registry import register
 
 
 @register
-class XGradCAM(ChannelMapMethod):
+class XGradCAM(ChannelWeighted):
     """XGrad-CAM (Axiom-based Grad-CAM).
 
     Paper: Fu et al., "Axiom-based Grad-CAM: Towards Accurate Visualization
@@ -34,8 +34,8 @@ class XGradCAM(ChannelMapMethod):
         "CNNs, BMVC 2020"
     )
 
-    def weighted_activations(self, data: LayerData) -> torch.Tensor:
+    def channel_weights(self, data: LayerData) -> torch.Tensor:
         activations = data.activations
-        total = activations.sum(dim=(2, 3), keepdim=True)
-        weighted = (data.dy_da * activations).sum(dim=(2, 3), keepdim=True)
-        return torch.where(total != 0, weighted / total, 0) * activations
+        total = activations.sum(dim=grid_dims(activations))
+        weighted = (data.dy_da * activations).sum(dim=grid_dims(activations))
+        return torch.where(total != 0, weighted / total, 0)

@@ -42,6 +42,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="top1",
         help="class id, top1 (default) or topK (one map for each of the K best classes)",
     )
+    parser.add_argument(
+        "--similar-to",
+        default=None,
+        metavar="IMAGE",
+        help="explain why each input looks like IMAGE to an embedding model (the cosine "
+        "similarity of their outputs) instead of a class; --target is then ignored",
+    )
     parser.add_argument("--method", default="gradcam", help="CAM method (see `camviz methods`)")
     parser.add_argument("--out", default="camviz-out", metavar="DIR", help="output folder")
     parser.add_argument(
@@ -119,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
     device = _device(args.device) if args.device else distributed.device(context)
     loaded = load_model(args)
     loaded.model.to(device)
+    if args.similar_to is not None:
+        target = _similarity(args.similar_to, loaded)
     manifest = explain_files(
         args.inputs,
         args.out,
@@ -138,6 +147,15 @@ def run(args: argparse.Namespace) -> int:
     if context.is_main:
         _report(manifest, args.out)
     return 0
+
+
+def _similarity(path: str, loaded: object) -> object:
+    """The Similarity target for ``--similar-to``: the reference image, preprocessed."""
+    from camviz.core.similarity import Similarity
+    from camviz.io.images import load_image
+
+    reference = loaded.preprocess(load_image(path))  # type: ignore[attr-defined]
+    return Similarity(reference.unsqueeze(0), name=os.path.basename(path))
 
 
 # Device types that hold data a model can run on (``meta`` holds none).

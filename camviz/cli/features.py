@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from camviz.cams.layout import as_spatial, patch_size
     from camviz.cli.options import load_model
     from camviz.core.errors import CamvizError
+    from camviz.core.layerkinds import module_kind
     from camviz.debug.extraction import features
     from camviz.io.images import load_image
     from camviz.io.render import channel_figure, channel_grid, save
@@ -74,10 +75,12 @@ def run(args: argparse.Namespace) -> int:
     inputs = loaded.preprocess(image).unsqueeze(0)
     outputs = features(loaded.model, inputs, args.layer, device="cpu")
     # Transformer tokens become (1, C, h, w) maps too; anything else is refused here,
-    # before a file is written.
+    # before a file is written. The layer's module says where its channels are.
     patch = patch_size(loaded.model)
+    modules = dict(loaded.model.named_modules())
     maps = {
-        name: as_spatial(output, name, inputs.shape[-2:], patch) for name, output in outputs.items()
+        name: as_spatial(output, name, inputs.shape[-2:], patch, module_kind(modules[name]))
+        for name, output in outputs.items()
     }
     out = Path(args.out)
     for name, activations in maps.items():

@@ -9,6 +9,14 @@ class CamvizError(Exception):
     """A mistake in what camviz was asked to do (bad name, bad file, bad argument)."""
 
 
+class NonFiniteError(CamvizError):
+    """NaN or Inf where a map needs numbers: in a model's scores, activations or gradients.
+
+    It belongs to the inputs that produced it, so a run over many inputs records it for
+    those inputs and goes on with the others.
+    """
+
+
 def first_line(error: BaseException) -> str:
     """The first line of an exception's message (its type name if it has none).
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import math
 import weakref
 from collections.abc import Iterable, Sequence
 from functools import partial
@@ -19,6 +20,8 @@ import torch
 from torch import nn
 
 from camviz.core.errors import CamvizError
+from camviz.core.inputs import Inputs, as_inputs
+from camviz.core.layerkinds import CallLog, record_calls
 from camviz.core.modelstate import HookSet, eval_mode
 
 _WILDCARDS = frozenset("*?[")
@@ -96,76 +99,89 @@ def _unknown_layer_message(name: str, candidates: Sequence[str]) -> str:
     return f"no layer named {name!r} in the model; {hint}"
 
 
-# Default layers are found with one dry run; remember them per model and input rank so
-# that a loop over batches pays for that run once.
+# Default layers are found with one dry run; remember them per model and spatial rank of the
+# input so that a loop over batches pays for that run once.
 _default_cache: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
 
 
-def default_target_layer(model: nn.Module, inputs: torch.Tensor) -> str:
+def default_target_layer(model: nn.Module, inputs: torch.Tensor | Inputs) -> str:
     """The last layer, in call order, whose output is a spatial map.
 
     One dry forward pass on the first sample records every module's output. A spatial map
-    is a 4-D tensor with ``H * W > 1`` (``(N, C, H, W)``, or Swin's channels-last
-    ``(N, H, W, C)``). Containers fire after their children, so for a ResNet the answer is
+    has the input's rank and more than one location: ``(N, C, L)`` for a signal,
+    ``(N, C, H, W)`` (or Swin's channels-last ``(N, H, W, C)``) for an image,
+    ``(N, C, D, H, W)`` for a volume or clip; whether the channels come first or last is
+    told from the module that produced it (:mod:`camviz.core.layerkinds`), never from the
+    rank alone. Containers fire after their children, so for a ResNet the answer is
     ``layer4`` rather than its last ReLU, and for a Swin transformer its final norm.
 
-    Vision transformers (ViT, DeiT: token outputs ``(N, T, C)`` after the last 4-D map) get
-    the input of their last attention layer instead: the last block's first norm (timm's
-    ``blocks[-1].norm1``, torchvision's ``encoder_layer_{L-1}.ln_1``), as is common practice.
-    The last block's *output* is a poor choice: the head reads only the class token there,
-    so every patch token has zero gradient and the map would be empty; the last attention
-    still mixes the patches into the class token, so its input has a gradient at every
-    patch. The model's train/eval modes are left as they were.
+    Vision transformers (ViT, DeiT: token outputs ``(N, T, C)`` from linear layers, norms
+    or attention after the last map) get the input of their last attention layer instead:
+    the last block's first norm (timm's ``blocks[-1].norm1``, torchvision's
+    ``encoder_layer_{L-1}.ln_1``), as is common practice. The last block's *output* is a
+    poor choice: the head reads only the class token there, so every patch token has zero
+    gradient and the map would be empty; the last attention still mixes the patches into
+    the class token, so its input has a gradient at every patch. The model's train/eval
+    modes are left as they were.
 
     Raises:
         CamvizError: No layer produces a spatial output.
     """
+    batch = inputs if isinstance(inputs, Inputs) else as_inputs(inputs, model)
+    rank = batch.main.dim() - 2
     per_model = _default_cache.setdefault(model, {})
-    if inputs.dim() in per_model:
-        return per_model[inputs.dim()]
-    spatial: list[str] = []
-    tokens: list[str] = []
-    attention_inputs: list[str] = []
-    kinds: list[str] = []
-
-    def record(name: str, module: nn.Module, args: object, output: object) -> None:
-        if not isinstance(output, torch.Tensor):
-            return
-        if output.dim() == 4 and output.shape[-1] * output.shape[-2] > 1:
-            spatial.append(name)
-            kinds.append("spatial")
-        elif output.dim() == 3 and output.shape[1] > 1:
-            tokens.append(name)
-            kinds.append("tokens")
+    if rank in per_model:
+        return per_model[rank]
+    attention_inputs: list[int] = []  # how many calls had ended when each attention began
 
     def before_attention(module: nn.Module, args: object) -> None:
-        if tokens:
-            attention_inputs.append(tokens[-1])
+        attention_inputs.append(len(log.calls))
 
-    with HookSet() as hooks, torch.inference_mode(), eval_mode(model):
-        for name, module in model.named_modules():
-            if name:
-                hooks.add(module.register_forward_hook(partial(record, name)))
+    with HookSet() as hooks, record_calls(model) as log, torch.inference_mode(), eval_mode(model):
+        for module in model.modules():
             if _is_attention(module):
                 hooks.add(module.register_forward_pre_hook(before_attention))
-        model(inputs[:1])
-    found: str | None
-    if kinds and kinds[-1] == "tokens":
-        found = attention_inputs[-1] if attention_inputs else tokens[-1]
-    else:
-        found = spatial[-1] if spatial else None
+        batch.replaced({}, torch.zeros(1, dtype=torch.long, device=batch.main.device))(model)
+    kinds = [_output_kind(log, index, rank) for index in range(len(log.calls))]
+    found = None
+    candidates = [index for index, kind in enumerate(kinds) if kind is not None]
+    if candidates and kinds[candidates[-1]] == "tokens":
+        tokens = [index for index in candidates if kinds[index] == "tokens"]
+        before = [
+            max(i for i in tokens if i < start) for start in attention_inputs if tokens[0] < start
+        ]
+        found = log.calls[before[-1] if before else tokens[-1]].name
+    elif candidates:
+        found = log.calls[candidates[-1]].name
     if found is None:
         raise CamvizError(
             "could not find a layer with a spatial output to explain; pass layer=NAME "
             "(`camviz layers --model NAME` lists them)"
         )
-    per_model[inputs.dim()] = found
+    per_model[rank] = found
     return found
 
 
+def _output_kind(log: CallLog, index: int, rank: int) -> str | None:
+    """``"spatial"``, ``"tokens"`` or ``None``: what the output of call ``index`` is."""
+    call = log.calls[index]
+    shape = call.shape
+    if not call.name or shape is None or len(shape) < 3:
+        return None  # the model's input, or no map
+    kind = call.kind or log.producer_kind(shape, index)
+    if len(shape) == rank + 2 and (rank > 1 or kind == "channels_first"):
+        grid = shape[1:-1] if kind == "channels_last" else shape[2:]
+        return "spatial" if math.prod(grid) > 1 else None
+    if len(shape) == 3 and kind == "channels_last" and shape[1] > 1:
+        return "tokens"
+    return None
+
+
 def _is_attention(module: nn.Module) -> bool:
-    """torch's ``MultiheadAttention`` (torchvision ViT), or a ``*Attention`` class (timm, HF)."""
-    return isinstance(module, nn.MultiheadAttention) or type(module).__name__.endswith("Attention")
+    """torch's ``MultiheadAttention`` (torchvision ViT), or an attention class of timm or HF
+    (``*Attention``, or ``*Attn*`` such as CoaT's ``FactorAttnConvRelPosEnc``)."""
+    name = type(module).__name__
+    return isinstance(module, nn.MultiheadAttention) or name.endswith("Attention") or "Attn" in name
 
 
 def layer_shapes(model: nn.Module, inputs: torch.Tensor) -> list[tuple[str, str, tuple[int, ...]]]:

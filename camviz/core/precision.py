@@ -96,12 +96,16 @@ def _missing(device: torch.device, dtype: torch.dtype) -> str:
     return "it needs AVX-512 FP16 or AMX-FP16"
 
 
+# Channels-last memory formats by tensor rank: images (N, C, H, W) and volumes (N, C, D, H, W).
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
 @contextlib.contextmanager
 def forward_precision(
     model: nn.Module, dtype: torch.dtype | None, channels_last: bool, device: torch.device
 ) -> Iterator[None]:
     """Run every call of ``model`` in the block under autocast to ``dtype`` (``None``: none),
-    with a channels-last copy of each 4-D input if ``channels_last``.
+    with a channels-last copy of each image or volume input if ``channels_last``.
 
     The hooks come off and any autocast a failed call left open is closed when the block
     ends, errors included.
@@ -118,8 +122,8 @@ def forward_precision(
             open_contexts.append(context)
         if channels_last:
             args = tuple(
-                arg.contiguous(memory_format=torch.channels_last)
-                if isinstance(arg, torch.Tensor) and arg.dim() == 4
+                arg.contiguous(memory_format=_CHANNELS_LAST[arg.dim()])
+                if isinstance(arg, torch.Tensor) and arg.dim() in _CHANNELS_LAST
                 else arg
                 for arg in args
             )

@@ -375,7 +375,12 @@ def score_fns(
         return contrasts, first
     if callable(target) and not isinstance(target, (torch.Tensor, TopK)):
         return [_UserTarget(target)], None
-    ids = class_ids(target, _class_scores(output, output_key))
+    if target is None and as_logits(output, output_key).dim() == 1:
+        return [_Scalar(output_key)], None  # one number per sample: explained as it is
+    logits = _class_scores(output, output_key)
+    if target is None or isinstance(target, (str, TopK)):
+        _refuse_embedding(logits)
+    ids = class_ids(target, logits)
     return [_ClassScore(ids[:, rank], output_key) for rank in range(ids.shape[1])], ids
 
 
@@ -436,6 +441,30 @@ class _ClassScore:
         ids = self.ids if samples is None else self.ids[samples]
         ids = ids.unsqueeze(-1) if ids.dim() == 1 else ids  # view(N, -1) fails for N = 0
         return as_logits(output, self.output_key).gather(-1, ids).mean(dim=-1)
+
+
+@dataclass(frozen=True, eq=False)
+class _Scalar:
+    """The output itself, for models that give one number per sample."""
+
+    output_key: str | int | None
+
+    def __call__(self, output: Any, samples: torch.Tensor | None = None) -> torch.Tensor:
+        return as_logits(output, self.output_key)
+
+
+def _refuse_embedding(logits: torch.Tensor) -> None:
+    """Raise when the output looks like embeddings (rows of unit length with negative
+    values), whose largest dimension is no class to explain."""
+    if logits.shape[-1] < 2 or not bool((logits < 0).any()):
+        return
+    norms = logits.detach().float().norm(dim=-1)
+    if bool(((norms - 1).abs() < 1e-3).all()):
+        raise CamvizError(
+            "the model output looks like an embedding (rows of length 1), not class scores; "
+            "explain a similarity with target=camviz.Similarity(reference), or give a class "
+            "id or a callable target"
+        )
 
 
 @dataclass(frozen=True, eq=False)

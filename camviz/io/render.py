@@ -645,3 +645,276 @@ def _concept_colours(colormap: str, count: int) -> np.ndarray:
     """``(count, 3)`` RGB colours in ``[0, 1]``: entry ``j`` of a qualitative colour map."""
     cmap = matplotlib_colormap(colormap)
     return np.array([cmap(j % cmap.N)[:3] for j in range(count)], dtype=np.float32)
+
+
+# Maps of every shape: signed maps, signals, volumes and clips -----------------------------
+#
+# These draw maps of any spatial rank, signed or not (``explain(..., relu=False)``), with
+# matplotlib figures and a colour bar. A signed map gets a diverging colour map centred on
+# zero (``vmin = -vmax``); a map in ``[0, 1]`` gets the given colour map on ``[0, 1]``.
+
+SIGNED_COLORMAP = "RdBu_r"
+
+
+def map_figure(
+    sample: torch.Tensor, heatmap: Heatmap, *, title: str = "", **options: object
+) -> Figure:
+    """The picture that fits the sample's shape: :func:`signal_figure` for ``(C, L)``,
+    :func:`signed_figure` for ``(C, H, W)`` and :func:`volume_montage` for ``(C, D, H, W)``.
+
+    Args:
+        sample: One input sample, channels first, as given to :func:`camviz.explain`.
+        heatmap: Its map, ``(L,)``, ``(H, W)`` or ``(D, H, W)`` (one row of ``heatmaps``).
+        title: The figure's title.
+        **options: Passed to the function chosen.
+    """
+    if not isinstance(sample, torch.Tensor) or sample.dim() not in (2, 3, 4):
+        shape = tuple(sample.shape) if isinstance(sample, torch.Tensor) else type(sample).__name__
+        raise CamvizError(
+            f"map_figure takes one sample (C, L), (C, H, W) or (C, D, H, W), got {shape}; "
+            "pass inputs[n], not the batch"
+        )
+    draw = {2: signal_figure, 3: signed_figure, 4: volume_montage}[sample.dim()]
+    return draw(sample, heatmap, title=title, **options)  # type: ignore[operator]
+
+
+def signed_figure(
+    image: Image.Image | torch.Tensor | None,
+    heatmap: Heatmap,
+    *,
+    title: str = "",
+    alpha: float = 0.5,
+    colormap: str | Colormap | None = None,
+) -> Figure:
+    """A 2-D map, signed or not, over an image (a PIL image or a ``(C, H, W)`` tensor shown in
+    grey) or alone, with a colour bar."""
+    from matplotlib.figure import Figure
+
+    values = _map_values(heatmap, 2)
+    cmap, low, high = _scale(values, colormap)
+    figure = Figure(figsize=(5, 4), layout="constrained")
+    ax = figure.subplots()
+    if image is not None:
+        ax.imshow(_grey(image, values.shape), cmap="gray", extent=_extent(values))
+    shown = ax.imshow(
+        values,
+        cmap=cmap,
+        vmin=low,
+        vmax=high,
+        alpha=alpha if image is not None else 1.0,
+        extent=_extent(values),
+    )
+    ax.set_axis_off()
+    figure.colorbar(shown, ax=ax, shrink=0.8)
+    figure.suptitle(title)
+    return figure
+
+
+def signal_figure(
+    signal: torch.Tensor,
+    heatmap: Heatmap,
+    *,
+    per_channel: bool = False,
+    title: str = "",
+    colormap: str | Colormap | None = None,
+    channel_names: Sequence[str] | None = None,
+) -> Figure:
+    """A signal with its map as a colour band under it.
+
+    Args:
+        signal: ``(C, L)`` or ``(L,)`` values.
+        heatmap: ``(L,)`` map (at the signal's length; resized if not).
+        per_channel: One row (signal and band) per channel; else every channel in one plot
+            over one band.
+        title: The figure's title.
+        colormap: Default: diverging for a signed map, ``"jet"`` for one in ``[0, 1]``.
+        channel_names: Legend names of the channels.
+    """
+    from matplotlib.figure import Figure
+
+    values = _as_numpy(signal, "signal")
+    values = values[None] if values.ndim == 1 else values
+    if values.ndim != 2:
+        raise CamvizError(f"a signal must be (C, L) or (L,), got shape {values.shape}")
+    band = _map_values(heatmap, 1, (values.shape[1],))
+    cmap, low, high = _scale(band, colormap)
+    rows = values.shape[0] if per_channel else 1
+    figure = Figure(figsize=(8, 1.6 * rows + 0.8), layout="constrained")
+    axes = figure.subplots(2 * rows, 1, sharex=True, height_ratios=[4, 1] * rows, squeeze=False)[
+        :, 0
+    ]
+    names = (
+        list(channel_names)
+        if channel_names is not None
+        else [f"channel {c}" for c in range(values.shape[0])]
+    )
+    steps = np.arange(values.shape[1])
+    for row in range(rows):
+        line_axis, band_axis = axes[2 * row], axes[2 * row + 1]
+        for channel in [row] if per_channel else range(values.shape[0]):
+            line_axis.plot(steps, values[channel], linewidth=1, label=names[channel])
+        if values.shape[0] > 1 and (per_channel or row == 0):
+            line_axis.legend(loc="upper right", fontsize=7)
+        shown = band_axis.imshow(
+            band[None],
+            aspect="auto",
+            cmap=cmap,
+            vmin=low,
+            vmax=high,
+            extent=(-0.5, values.shape[1] - 0.5, 0, 1),
+        )
+        band_axis.set_yticks([])
+    figure.colorbar(shown, ax=list(axes), shrink=0.6, label="map")
+    figure.suptitle(title)
+    return figure
+
+
+def volume_montage(
+    volume: torch.Tensor,
+    heatmap: Heatmap,
+    *,
+    title: str = "",
+    alpha: float = 0.5,
+    colormap: str | Colormap | None = None,
+    max_slices: int = 16,
+    ncols: int | None = None,
+) -> Figure:
+    """Slices of a volume (or frames of a clip) with the map over each; the slice where the
+    map peaks is framed in red and titled ``peak``.
+
+    Args:
+        volume: ``(C, D, H, W)`` or ``(D, H, W)`` values, shown in grey (channel mean).
+        heatmap: ``(D, H, W)`` map (resized to the volume if not).
+        title: The figure's title.
+        alpha: Weight of the map over each slice.
+        colormap: Default: diverging for a signed map, ``"jet"`` for one in ``[0, 1]``.
+        max_slices: At most this many slices, evenly spaced, the peak always among them.
+        ncols: Columns of the montage (default: about square).
+    """
+    from matplotlib.figure import Figure
+
+    values = _as_numpy(volume, "volume")
+    values = values.mean(0) if values.ndim == 4 else values
+    if values.ndim != 3:
+        raise CamvizError(f"a volume must be (C, D, H, W) or (D, H, W), got shape {values.shape}")
+    maps = _map_values(heatmap, 3, values.shape)
+    cmap, low, high = _scale(maps, colormap)
+    depth = values.shape[0]
+    strength = np.abs(maps).reshape(depth, -1).max(1)
+    peak = int(strength.argmax())
+    chosen = sorted(
+        {*np.linspace(0, depth - 1, min(depth, max_slices)).round().astype(int).tolist()} | {peak}
+    )
+    if len(chosen) > max_slices:
+        chosen.remove(min((c for c in chosen if c != peak), key=lambda c: abs(c - peak)))
+    columns = _columns(len(chosen), ncols)
+    rows = math.ceil(len(chosen) / columns)
+    figure = Figure(figsize=(2.2 * columns + 0.8, 2.2 * rows + 0.5), layout="constrained")
+    axes = np.atleast_1d(figure.subplots(rows, columns, squeeze=False)).ravel()
+    grey = (values - values.min()) / max(float(values.max() - values.min()), 1e-12)
+    for ax, index in zip(axes, chosen, strict=False):
+        ax.imshow(grey[index], cmap="gray", vmin=0, vmax=1)
+        shown = ax.imshow(maps[index], cmap=cmap, vmin=low, vmax=high, alpha=alpha)
+        ax.set_title(f"slice {index}" + (" (peak)" if index == peak else ""), fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if index == peak:
+            for spine in ax.spines.values():
+                spine.set_edgecolor("red")
+                spine.set_linewidth(3)
+    for ax in axes[len(chosen) :]:
+        ax.set_axis_off()
+    figure.colorbar(shown, ax=list(axes), shrink=0.6, label="map")
+    figure.suptitle(title)
+    return figure
+
+
+def clip_video(
+    clip: torch.Tensor,
+    heatmap: Heatmap,
+    path: str | os.PathLike[str],
+    *,
+    fps: float = 8.0,
+    alpha: float = 0.5,
+    colormap: str | Colormap = "jet",
+) -> Path:
+    """Write a video clip with its map over every frame (the video writer of
+    :func:`camviz.io.video.write_video`), atomically.
+
+    Args:
+        clip: ``(C, T, H, W)`` frames with values in ``[0, 1]`` (C = 3 or 1), as a video
+            model takes them before normalisation.
+        heatmap: ``(T, H, W)`` map in ``[0, 1]`` (``explanation.heatmaps[n]``).
+        path: The video file (``.mp4``, ``.avi``).
+        fps: Frames per second.
+        alpha, colormap: As in :func:`overlay`.
+    """
+    import tempfile
+
+    from camviz.io.video import write_video
+
+    frames = _as_numpy(clip, "clip")
+    if frames.ndim != 4 or frames.shape[0] not in (1, 3):
+        raise CamvizError(f"a clip must be (C, T, H, W) with C = 1 or 3, got shape {frames.shape}")
+    maps = _map_values(heatmap, 3, frames.shape[1:])
+    pixels = np.rint(np.clip(frames, 0, 1) * 255).astype(np.uint8)
+    with tempfile.TemporaryDirectory(prefix="camviz-clip-") as folder:
+        files = []
+        for index in range(frames.shape[1]):
+            frame = Image.fromarray(
+                np.repeat(pixels[:, index], 3 // pixels.shape[0], 0).transpose(1, 2, 0)
+            )
+            file = Path(folder) / f"{index:05d}.png"
+            overlay(frame, maps[index], alpha, colormap).save(file)
+            files.append(file)
+        write_video(files, path, fps)
+    return Path(path)
+
+
+def _as_numpy(values: object, what: str) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        return values.detach().to("cpu", torch.float32).numpy()
+    if isinstance(values, np.ndarray):
+        return values.astype(np.float32)
+    raise CamvizError(
+        f"the {what} must be a torch tensor or numpy array, not {type(values).__name__}"
+    )
+
+
+def _map_values(heatmap: Heatmap, rank: int, size: Sequence[int] | None = None) -> np.ndarray:
+    """A finite map of ``rank`` axes as a numpy array, resized to ``size`` if given."""
+    values = torch.as_tensor(_as_numpy(heatmap, "heatmap"))
+    while values.dim() > rank and values.shape[0] == 1:
+        values = values[0]
+    if values.dim() != rank:
+        raise CamvizError(
+            f"expected one map with {rank} axes, got shape {tuple(values.shape)}; pass one "
+            "map, e.g. explanation.heatmaps[0]"
+        )
+    if not bool(torch.isfinite(values).all()):
+        raise CamvizError("the heatmap holds NaN or infinite values; check the model's output")
+    if size is not None and tuple(values.shape) != tuple(size):
+        values = upsample(values.unsqueeze(0), tuple(size))[0]
+    return values.numpy()
+
+
+def _scale(values: np.ndarray, colormap: str | Colormap | None) -> tuple[Colormap, float, float]:
+    """The colour map and its range: centred on zero for a signed map, else ``[0, 1]`` (or
+    ``[0, max]`` for a raw map above 1)."""
+    peak = max(float(np.abs(values).max()), 1e-12)
+    if values.min() < -_TOLERANCE:
+        return matplotlib_colormap(colormap or SIGNED_COLORMAP), -peak, peak
+    return matplotlib_colormap(colormap or "jet"), 0.0, peak if peak > 1 + _TOLERANCE else 1.0
+
+
+def _grey(image: Image.Image | torch.Tensor, shape: tuple[int, ...]) -> np.ndarray:
+    if isinstance(image, Image.Image):
+        return np.asarray(image.convert("L"), dtype=np.float32) / 255
+    values = _as_numpy(image, "image")
+    values = values.mean(0) if values.ndim == 3 else values
+    return (values - values.min()) / max(float(values.max() - values.min()), 1e-12)
+
+
+def _extent(values: np.ndarray) -> tuple[float, float, float, float]:
+    """One shared pixel frame for an image and a map of another size."""
+    return (0.0, float(values.shape[1]), float(values.shape[0]), 0.0)

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from camviz.cams.engine import explain
-from camviz.core.errors import CamvizError, first_line
+from camviz.core.errors import CamvizError, NonFiniteError, first_line
 from camviz.core.layers import Layer
 from camviz.core.targets import Target, as_logits, class_name
 from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
@@ -398,12 +398,16 @@ class _BatchExplainer:
                 self.target,
                 **self.options,
             )
-        except (RuntimeError, ValueError, AssertionError) as error:
-            # A model that fails on some input (an odd size, out of memory on a big batch)
-            # fails one image, not the run: the batch is retried one image at a time.
+        except (NonFiniteError, RuntimeError, ValueError, AssertionError) as error:
+            # A model that fails on some input (an odd size, out of memory on a big batch, a
+            # NaN) fails one image, not the run: the batch is retried one image at a time.
             if len(samples) > 1:
                 return [result for sample in samples for result in self([sample], items)]
-            reason = f"the model failed on this input ({first_line(error)})"
+            reason = (
+                str(error)
+                if isinstance(error, NonFiniteError)
+                else f"the model failed on this input ({first_line(error)})"
+            )
             return [_failed(samples[0], reason, items)]
         share = (time.perf_counter() - started) / len(samples)
         return self._results(samples, explanation, share, items)

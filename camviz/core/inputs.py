@@ -1,0 +1,181 @@
+"""What a batch is, and which of its inputs carries the map.
+
+:func:`camviz.explain` takes one tensor, a tuple or list of inputs (passed positionally,
+``model(*inputs)``) or a dict (passed as keywords, ``model(**inputs)``, e.g. Hugging Face's
+``pixel_values=``). Every tensor in it is a batch of the same ``N`` samples (0-d tensors
+and other values are passed along as they are). The *map input* is the one the heatmap is
+laid on (the first, unless ``map_input=`` names another): a float ``(N, C, *spatial)``
+batch with one to three spatial axes - signals ``(N, C, L)``, images ``(N, C, H, W)``,
+volumes or clips ``(N, C, D, H, W)``.
+
+A tensor is always a batch, with one exception kept for convenience: a single ``(C, H, W)``
+image for a model whose first convolution is 2-D (decided from the model, not the rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from camviz.core.batch import model_device
+from camviz.core.errors import CamvizError
+from camviz.core.layerkinds import spatial_rank_of_model
+
+Key = int | str
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """A model's inputs for one batch, and where the map input is.
+
+    Attributes:
+        args: Positional inputs.
+        kwargs: Keyword inputs.
+        key: The map input's position in ``args`` (int) or name in ``kwargs`` (str).
+        size: The batch size ``N``.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    key: Key
+    size: int
+
+    @property
+    def main(self) -> torch.Tensor:
+        """The map input, ``(N, C, *spatial)``."""
+        return self[self.key]
+
+    def __getitem__(self, key: Key) -> Any:
+        return self.kwargs[key] if isinstance(key, str) else self.args[key]
+
+    def __call__(self, model: nn.Module) -> Any:
+        """The model's output for these inputs."""
+        return model(*self.args, **self.kwargs)
+
+    def items(self) -> Iterator[tuple[Key, Any]]:
+        """``(position or name, value)`` of every input."""
+        yield from enumerate(self.args)
+        yield from self.kwargs.items()
+
+    def replaced(self, values: Mapping[Key, Any], rows: torch.Tensor | None = None) -> Inputs:
+        """These inputs with ``values`` put in, and every other batched tensor taken at
+        ``rows`` (``(R,)`` sample indices; ``None`` keeps them as they are)."""
+
+        def pick(key: Key, value: Any) -> Any:
+            if key in values:
+                return values[key]
+            if rows is not None and _is_batched(value):
+                return value[rows]
+            return value
+
+        args = tuple(pick(position, value) for position, value in enumerate(self.args))
+        kwargs = {name: pick(name, value) for name, value in self.kwargs.items()}
+        size = len(rows) if rows is not None else self.size
+        return replace(self, args=args, kwargs=kwargs, size=size)
+
+    def with_main(self, tensor: torch.Tensor, rows: torch.Tensor | None = None) -> Inputs:
+        """These inputs with the map input replaced by ``tensor`` (see :meth:`replaced`)."""
+        return self.replaced({self.key: tensor}, rows)
+
+    def run(self, model: nn.Module, tensor: torch.Tensor, rows: torch.Tensor | None = None) -> Any:
+        """The model's output with the map input replaced by ``tensor``, whose row ``r`` was
+        made from sample ``rows[r]`` (the other inputs follow ``rows``)."""
+        return self.with_main(tensor, rows)(model)
+
+    def spatial_keys(self) -> list[Key]:
+        """The inputs that are float batches with spatial axes (input-gradient maps)."""
+        return [
+            key
+            for key, value in self.items()
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 3
+        ]
+
+
+def _is_batched(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def as_inputs(inputs: Any, model: nn.Module, map_input: Key | None = None) -> Inputs:
+    """Check ``inputs`` (a tensor, tuple/list or dict) and move them to the model's device.
+
+    Raises:
+        CamvizError: Not tensors, inputs of different batch sizes, ``map_input`` out of
+            range, or a map input without spatial axes.
+    """
+    if isinstance(inputs, torch.Tensor):
+        if map_input not in (None, 0):
+            raise CamvizError(
+                f"map_input={map_input!r} names a second input, but one tensor was given"
+            )
+        if inputs.dim() == 3 and spatial_rank_of_model(model) == 2:
+            inputs = inputs.unsqueeze(0)  # one (C, H, W) image for an image model
+        args: tuple[Any, ...] = (inputs,)
+        kwargs: dict[str, Any] = {}
+    elif isinstance(inputs, (tuple, list)) and inputs:
+        args, kwargs = tuple(inputs), {}
+    elif isinstance(inputs, Mapping) and inputs:
+        args, kwargs = (), dict(inputs)
+    else:
+        raise CamvizError(
+            f"inputs must be a tensor, a tuple of inputs or a dict of keyword inputs, not "
+            f"{type(inputs).__name__}; preprocess images first (camviz.images.load_batch)"
+        )
+    key = _map_key(args, kwargs, map_input)
+    device = model_device(model)
+    moved = Inputs(
+        tuple(_to(value, device) for value in args),
+        {name: _to(value, device) for name, value in kwargs.items()},
+        key,
+        0,
+    )
+    main = moved.main
+    if (
+        not isinstance(main, torch.Tensor)
+        or not main.is_floating_point()
+        or not 3 <= main.dim() <= 5
+    ):
+        described = (
+            f"{main.dtype} of shape {tuple(main.shape)}"
+            if isinstance(main, torch.Tensor)
+            else type(main).__name__
+        )
+        which = "inputs" if len(args) + len(kwargs) == 1 else f"the map input {key!r}"
+        raise CamvizError(
+            f"{which} must be a float (N, C, L), (N, C, H, W) or (N, C, D, H, W) batch "
+            f"or one (C, H, W) image, got {described}"
+        )
+    sizes = {key: value.shape[0] for key, value in moved.items() if _is_batched(value)}
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"input {key!r}: {size}" for key, size in sizes.items())
+        raise CamvizError(f"the inputs have different batch sizes ({listed}); give N rows each")
+    return replace(moved, size=main.shape[0])
+
+
+def _map_key(args: Sequence[Any], kwargs: Mapping[str, Any], map_input: Key | None) -> Key:
+    if kwargs:
+        names = list(kwargs)
+        if map_input is None:
+            return names[0]
+        if map_input not in kwargs:
+            raise CamvizError(f"map_input={map_input!r} is not one of the inputs {names}")
+        return map_input
+    if map_input is None:
+        return 0
+    if (
+        isinstance(map_input, bool)
+        or not isinstance(map_input, int)
+        or not 0 <= map_input < len(args)
+    ):
+        raise CamvizError(
+            f"map_input={map_input!r} is out of range: there are {len(args)} inputs "
+            f"(0..{len(args) - 1})"
+        )
+    return map_input
+
+
+def _to(value: Any, device: torch.device | None) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) and device is not None else value

@@ -1,0 +1,102 @@
+"""Explain why two inputs look alike to an embedding model (CLIP-like retrieval, faces,
+re-identification): the cosine similarity of the model's output embedding with a reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the conventional name
+from torch import nn
+
+from camviz.core.errors import CamvizError
+from camviz.core.inputs import Inputs, as_inputs
+from camviz.core.targets import as_logits
+
+
+class Similarity:
+    """Target: ``cos(e(x_n), r_n)``, the cosine similarity between the model's output
+    embedding of each sample and its reference.
+
+    Args:
+        reference: Either embeddings - a ``(D,)`` vector for every sample, or ``(N, D)``
+            (or ``(1, D)``) - or an input batch for the same model (a tensor with spatial
+            axes, a tuple or a dict, as :func:`camviz.explain` takes them), which is run
+            through the model first; one reference input serves every sample.
+        output_key: Where the embedding is in a tuple or dict output (see
+            :func:`camviz.core.targets.as_logits`).
+        name: What the reference is, for its ``repr`` (manifests record it); by default a
+            digest of its values.
+
+    Called as ``similarity(output, rows)`` (``rows[r]``: the sample output row ``r`` was
+    made from, for perturbation methods), it gives the ``(R,)`` similarities.
+
+    Example:
+        >>> camviz.explain(model, query, target=camviz.Similarity(reference_image))
+    """
+
+    def __init__(
+        self, reference: Any, output_key: str | int | None = None, name: str | None = None
+    ) -> None:
+        self.reference = reference
+        self.output_key = output_key
+        self.name = name
+
+    def __repr__(self) -> str:
+        if self.name is None and isinstance(self.reference, torch.Tensor):
+            values = self.reference.detach().cpu().contiguous().numpy().tobytes()
+            self.name = hashlib.sha1(values).hexdigest()[:12]
+        return f"Similarity({self.name or type(self.reference).__name__})"
+
+    def is_embedding(self) -> bool:
+        """Whether the reference is embeddings (a 1-D or 2-D tensor) rather than inputs."""
+        return isinstance(self.reference, torch.Tensor) and self.reference.dim() <= 2
+
+    def embedded(self, model: nn.Module, batch: Inputs) -> Similarity:
+        """This target with its reference as ``(1 or N, D)`` embeddings, checked against
+        the model's output for ``batch`` (the model must be in eval mode)."""
+        reference = self.reference
+        if not self.is_embedding():
+            reference_inputs = as_inputs(reference, model)
+            with torch.no_grad():
+                reference = self.embedding(reference_inputs(model))
+        if not isinstance(reference, torch.Tensor) or not reference.is_floating_point():
+            raise CamvizError(
+                f"Similarity needs a float reference embedding or an input batch, not "
+                f"{type(reference).__name__}"
+            )
+        device = batch.main.device
+        reference = reference.detach().to(device)
+        if reference.dim() == 1:
+            reference = reference.unsqueeze(0)
+        first = torch.zeros(1, dtype=torch.long, device=device)
+        with torch.no_grad():
+            sample = self.embedding(batch.replaced({}, first)(model))
+        if reference.shape[-1] != sample.shape[-1] or reference.shape[0] not in (1, batch.size):
+            raise CamvizError(
+                f"the Similarity reference has shape {tuple(reference.shape)}, but the model "
+                f"embeds each of the {batch.size} inputs in {sample.shape[-1]} values; give "
+                f"({sample.shape[-1]},), (1, {sample.shape[-1]}) or ({batch.size}, "
+                f"{sample.shape[-1]}) embeddings, or 1 or {batch.size} reference inputs"
+            )
+        return Similarity(reference, self.output_key, self.name)
+
+    def embedding(self, output: Any) -> torch.Tensor:
+        """The ``(R, D)`` embeddings in a model output."""
+        return as_logits(output, self.output_key).flatten(1)
+
+    def __call__(self, output: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
+        embedding = self.embedding(output)
+        reference = self.reference
+        if reference.dim() == 1:
+            reference = reference.unsqueeze(0)
+        if rows is not None and reference.shape[0] > 1:
+            reference = reference[rows]
+        elif reference.shape[0] not in (1, embedding.shape[0]):
+            raise CamvizError(
+                f"Similarity has {reference.shape[0]} references for {embedding.shape[0]} "
+                "output rows; call it with the rows' sample indices"
+            )
+        return F.cosine_similarity(embedding, reference.to(embedding.dtype), dim=-1)
