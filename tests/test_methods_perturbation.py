@@ -310,7 +310,7 @@ def test_ablationcam_broadcast_shortcut_is_exact_on_resnet_in_place_residuals(re
         gradients=None,
         model=resnet18,
         inputs=inputs,
-        score=recorded.score_fns[0],
+        score_fn=recorded.score_fns[0],
         class_ids=recorded.class_ids[:, 0],
         scores=recorded.scores[:, 0],
         layout=layout_of(output.shape, layer, inputs.shape[-2:]),

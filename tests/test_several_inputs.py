@@ -125,6 +125,7 @@ def test_data_parallel_is_looked_through(resnet18, small_batch, untouched):
     torch.testing.assert_close(result.heatmaps, expected)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace:FutureWarning")
 def test_models_without_hooks_get_one_line(two_inputs):
     model, image, table = two_inputs
     scripted = torch.jit.trace(model, (image, table))

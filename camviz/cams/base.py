@@ -41,7 +41,7 @@ class LayerData:
             ``None`` for methods that do not ask for gradients.
         model: The network (in eval mode while the method runs).
         inputs: The input batch, ``(N, 3, H, W)``.
-        score: Maps a model output to the ``(N,)`` explained scores.
+        score_fn: Maps a model output to the ``(N,)`` explained scores.
         class_ids: The explained class of each sample, ``(N,)``, or ``None`` when the
             target is a callable.
         scores: The explained score of each sample in the unperturbed forward pass, ``(N,)``.
@@ -50,7 +50,7 @@ class LayerData:
         hessian_products: ``H A``, the Hessian of ``y`` with respect to ``A`` applied to ``A``
             (same shape), for methods that ask for it (``uses_hessian``); else ``None``.
 
-    ``score(output, samples)`` also scores perturbed batches: ``samples`` is the ``(R,)``
+    ``score_fn(output, samples)`` also scores perturbed batches: ``samples`` is the ``(R,)``
     index of the input each output row was made from (``None``: row ``n`` is input ``n``).
     """
 
@@ -59,7 +59,7 @@ class LayerData:
     gradients: torch.Tensor | None
     model: nn.Module
     inputs: torch.Tensor
-    score: Callable[..., torch.Tensor]
+    score_fn: Callable[..., torch.Tensor]
     class_ids: torch.Tensor | None
     scores: torch.Tensor | None = None
     layout: Layout | None = None

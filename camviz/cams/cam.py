@@ -91,7 +91,7 @@ class CAM(ChannelMapMethod):
             )
             logits = F.linear(pooled, linear.weight.detach(), _detached(linear.bias))
             try:
-                scores = data.score(logits)
+                scores = data.score_fn(logits)
             except (RuntimeError, IndexError, CamvizError):
                 scores = None
             if scores is None or data.scores is None or not _same(scores, data.scores):

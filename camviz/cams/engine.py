@@ -568,7 +568,7 @@ def layer_data(
                 gradients=None if gradients is None else layout.to_spatial(gradients),
                 model=model,
                 inputs=batch.main,
-                score=score_fn,
+                score_fn=score_fn,
                 class_ids=None if recorded.class_ids is None else recorded.class_ids[:, rank],
                 scores=recorded.scores[:, rank],
                 layout=layout,

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.guided import forward_from_inputs
 from camviz.cams.registry import register
+from camviz.core.calls import CallMode
 from camviz.core.inputs import Inputs
 from camviz.core.maps import normalize, upsample
 from camviz.core.targets import ScoreFn
@@ -67,7 +67,7 @@ def _call_bias(
     return shift - norm["running_mean"] * scale
 
 
-class _BiasTaps(TorchFunctionMode):
+class _BiasTaps(CallMode):
     """Replaces the output ``z`` of each biased call by ``z + delta``, with a zero ``delta``
     that requires grad, so that ``dy/d(delta) = dy/dz`` (the engine's trick, see
     :mod:`camviz.cams.engine`; in-place operations after the call do not disturb it).
@@ -82,14 +82,7 @@ class _BiasTaps(TorchFunctionMode):
         self.rank = rank
         self.taps: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         output = func(*args, **kwargs)
         bias = _call_bias(func, args, kwargs)
         if bias is None or output.dim() != self.rank:
@@ -161,7 +154,7 @@ class FullGrad(CamMethod):
     uses_gradients = False
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
-        decomposition = full_gradients(data.model, data.batch or data.inputs, data.score)
+        decomposition = full_gradients(data.model, data.batch or data.inputs, data.score_fn)
         size = data.inputs.shape[2:]
         total = _channel_normalised_sum(data.inputs * decomposition.input_gradients)
         for bias_gradient in decomposition.bias_gradients:

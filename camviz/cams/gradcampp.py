@@ -151,7 +151,7 @@ class SmoothGradCAMPlusPlus(ChannelWeighted):
             # any output type carry over to the noisy batch unchanged.
             noisy_inputs = inputs + sigma * draw
             batch = data.batch.with_main(noisy_inputs) if data.batch is not None else noisy_inputs
-            noisy = layer_pass(data.model, batch, [data.layer], data.score)
+            noisy = layer_pass(data.model, batch, [data.layer], data.score_fn)
             gradients = data.layout.to_spatial(noisy.gradients[data.layer][0])
             moments += torch.stack([gradients, gradients.square(), gradients.pow(3)])
         first, second, third = moments / self.samples

@@ -32,11 +32,11 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.gradcam import GradCAM
 from camviz.cams.registry import register
+from camviz.core.calls import CallMode
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import Inputs, Key
 from camviz.core.maps import upsample
@@ -139,13 +139,12 @@ class InputGradientMethod(CamMethod):
     def input_maps(self, data: LayerData) -> dict[Key, torch.Tensor]:
         """``{input position or name: (N, *spatial) map}`` for every spatial input."""
         batch = data.batch or Inputs((data.inputs,), {}, 0, len(data.inputs))
-        gradients = all_input_gradients(data.model, batch, data.score, guided=self.guided)
+        gradients = all_input_gradients(data.model, batch, data.score_fn, guided=self.guided)
         return {key: saliency(gradient) for key, gradient in gradients.items()}
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
-        return saliency(
-            input_gradients(data.model, data.batch or data.inputs, data.score, guided=self.guided)
-        )
+        inputs = data.batch or data.inputs
+        return saliency(input_gradients(data.model, inputs, data.score_fn, guided=self.guided))
 
 
 class _GuidedActivation(torch.autograd.Function):
@@ -208,22 +207,15 @@ def _as_activation(
     return inputs, partial(func, **call), inplace
 
 
-class _GuidedActivations(TorchFunctionMode):
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+class _GuidedActivations(CallMode):
+    def call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         activation = _as_activation(func, args, kwargs)
         if activation is None:
             return func(*args, **kwargs)
         return _GuidedActivation.apply(*activation)
 
 
-def guided_relus() -> TorchFunctionMode:
+def guided_relus() -> CallMode:
     """A context manager inside which every ReLU, ReLU6 and smooth activation (GELU, SiLU,
     Hardswish, Mish, ELU, LeakyReLU) back-propagates as in Guided Backprop:
     ``dx = ReLU(dy) * f'(x) * 1[x > 0]`` (the module docstring says why). Forward values
@@ -314,5 +306,5 @@ class GuidedGradCAM(CamMethod):
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
         cam = upsample(torch.relu(GradCAM().layer_map(data)), data.inputs.shape[2:])
-        guided = input_gradients(data.model, data.batch or data.inputs, data.score, guided=True)
+        guided = input_gradients(data.model, data.batch or data.inputs, data.score_fn, guided=True)
         return saliency(guided) * cam

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.layout import layout_of, patch_size
 from camviz.cams.registry import register
+from camviz.core.calls import CallMode
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import edit
 
@@ -81,7 +81,7 @@ def _pooled(modules: Sequence[nn.Module], tokens: torch.Tensor) -> torch.Tensor:
     return pooled
 
 
-class _AttentionTaps(TorchFunctionMode):
+class _AttentionTaps(CallMode):
     """Computes every attention call explicitly and hands on ``P + delta``; ``deltas`` holds
     one zero tensor per call, in call order.
 
@@ -94,14 +94,7 @@ class _AttentionTaps(TorchFunctionMode):
         super().__init__()
         self.deltas: list[torch.Tensor] = []
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func is F.scaled_dot_product_attention:
             call = dict(zip(_SDPA_PARAMETERS, args, strict=False)) | kwargs
             query, key, value = call["query"], call["key"], call["value"]
@@ -278,7 +271,7 @@ class LeGrad(CamMethod):
             total = torch.zeros(())
             for index in used:
                 with torch.enable_grad():
-                    score = rank.score(parts.project(outputs[parts.blocks[index]])).sum()
+                    score = rank.score_fn(parts.project(outputs[parts.blocks[index]])).sum()
                 (gradient,) = torch.autograd.grad(score, taps.deltas[index], retain_graph=True)
                 total = total + gradient.clamp_min(0).mean(dim=(1, 2))
             patches = total[:, layout.prefix :] / len(used)

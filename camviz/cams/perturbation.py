@@ -64,7 +64,7 @@ def rank_scores(output: Any, ranks: Sequence[LayerData], samples: torch.Tensor) 
     """
     scores = []
     for data in ranks:
-        score = data.score(output, samples)
+        score = data.score_fn(output, samples)
         if not isinstance(score, torch.Tensor) or score.shape != samples.shape:
             shape = tuple(score.shape) if isinstance(score, torch.Tensor) else type(score).__name__
             raise CamvizError(

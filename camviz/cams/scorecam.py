@@ -104,7 +104,8 @@ class ScoreCAM(PerturbationMethod):
     def rank_weights(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
         if self.weighting == "probability":
             ranks = [
-                dataclasses.replace(data, score=probability_score(data.score)) for data in ranks
+                dataclasses.replace(data, score_fn=probability_score(data.score_fn))
+                for data in ranks
             ]
         with torch.inference_mode():
             weights = self.channel_scores(ranks)

@@ -218,20 +218,20 @@ class SESS(Wrapper):
                             "model returns a structure; pass softmax=False"
                         )
                     output = output.softmax(dim=-1)
-                scores.append(data.score(output, chunk_images))
+                scores.append(data.score_fn(output, chunk_images))
         return torch.cat(scores).clamp_min(0)
 
     def base_maps(
         self, data: LayerData, patches: torch.Tensor, images: torch.Tensor
     ) -> torch.Tensor:
         """The base method's ``(P, window, window)`` maps of some windows, normalised."""
-        score = _PatchScore(data.score, images)
+        score = _PatchScore(data.score_fn, images)
         recorded = layer_pass(
             data.model, patches, [data.layer], score, gradients=self.base.uses_gradients
         )
         ids = None if data.class_ids is None else data.class_ids[images]
         ranks = [
-            replace(rank, score=score, class_ids=ids)
+            replace(rank, score_fn=score, class_ids=ids)
             for rank in layer_data(data.model, patches, recorded, data.layer)
         ]
         raw = self.base.rank_maps(ranks)[0]

@@ -34,11 +34,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from camviz.cams.base import CamMethod
 from camviz.cams.engine import explain
 from camviz.core.batch import as_batch
+from camviz.core.calls import CallMode
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import tensors_in
 from camviz.core.layers import Layer, resolve_layers
@@ -283,7 +283,7 @@ def _stages(
     return {stage: groups[stage] for stage in sorted(groups, key=lambda stage: -positions[stage])}
 
 
-class _FirstUse(TorchFunctionMode):
+class _FirstUse(CallMode):
     """Numbers the watched tensors in the order torch calls first take them as arguments."""
 
     def __init__(self, watched: set[int]) -> None:
@@ -291,14 +291,7 @@ class _FirstUse(TorchFunctionMode):
         self.watched = watched
         self.order: dict[int, int] = {}
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         for tensor in tensors_in((args, kwargs)):
             if id(tensor) in self.watched:
                 self.order.setdefault(id(tensor), len(self.order))
