@@ -31,15 +31,17 @@ ENTRY_POINTS: dict[str, Callable[[nn.Module, torch.Tensor], object]] = {
 def test_every_entry_point_refuses_a_non_float_batch_in_the_same_words(entry: str) -> None:
     with pytest.raises(CamvizError) as error:
         ENTRY_POINTS[entry](_tiny(), torch.zeros(2, 3, 8, 8, dtype=torch.uint8))
-    # explain also takes signals and volumes, so it names their shapes too.
-    accepted = (
-        "(N, C, L), (N, C, H, W) or (N, C, D, H, W)" if entry == "explain" else "(N, C, H, W)"
-    )
     assert str(error.value) == (
-        f"inputs must be a float {accepted} batch"
-        + (" or one (C, H, W) image" if entry == "explain" else "")
-        + ", got torch.uint8 of shape (2, 3, 8, 8)"
+        "inputs must be a float (N, C, L), (N, C, H, W) or (N, C, D, H, W) batch or one "
+        "(C, H, W) image, got torch.uint8 of shape (2, 3, 8, 8)"
     )
+
+
+@pytest.mark.parametrize("entry", ["deletion", "sanity"])
+def test_functions_that_change_pixels_refuse_signals_in_one_line(entry: str) -> None:
+    signal_model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.AdaptiveAvgPool1d(1), nn.Flatten())
+    with pytest.raises(CamvizError, match=r"this measures image batches \(N, C, H, W\), got "):
+        ENTRY_POINTS[entry](signal_model.eval(), torch.randn(2, 3, 8))
 
 
 def test_class_names_come_from_the_categories_and_minus_one_is_a_custom_target() -> None:

@@ -1,4 +1,4 @@
-"""What a batch is, and which of its inputs carries the map.
+"""What a batch is, which of its inputs carries the map, and how the model is called.
 
 :func:`camviz.explain` takes one tensor, a tuple or list of inputs (passed positionally,
 ``model(*inputs)``) or a dict (passed as keywords, ``model(**inputs)``, e.g. Hugging Face's
@@ -14,6 +14,7 @@ image for a model whose first convolution is 2-D (decided from the model, not th
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -21,11 +22,37 @@ from typing import Any
 import torch
 from torch import nn
 
-from camviz.core.batch import model_device
 from camviz.core.errors import CamvizError
 from camviz.core.layerkinds import spatial_rank_of_model
 
 Key = int | str
+
+
+def model_device(model: nn.Module) -> torch.device | None:
+    """The device of the model's first parameter or buffer; ``None`` if it has neither."""
+    tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return None if tensor is None else tensor.device
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """``model(inputs)``, ``model(*inputs)`` or ``model(**inputs)``, on the model's device.
+
+    Args:
+        model: The network to run.
+        inputs: A tensor, a tuple or list of positional arguments, or a dict of keyword
+            arguments. Tensors among them are moved to the device of the model's first
+            parameter (or buffer); a model with neither takes them as they are.
+    """
+    device = model_device(model)
+
+    def move(value: Any) -> Any:
+        return value.to(device) if isinstance(value, torch.Tensor) and device else value
+
+    if isinstance(inputs, Mapping):
+        return model(**{key: move(value) for key, value in inputs.items()})
+    if isinstance(inputs, Sequence) and not isinstance(inputs, str):
+        return model(*(move(value) for value in inputs))
+    return model(move(inputs))
 
 
 @dataclass(frozen=True)
@@ -179,3 +206,26 @@ def _map_key(args: Sequence[Any], kwargs: Mapping[str, Any], map_input: Key | No
 
 def _to(value: Any, device: torch.device | None) -> Any:
     return value.to(device) if isinstance(value, torch.Tensor) and device is not None else value
+
+
+def as_batch(inputs: object, model: nn.Module) -> torch.Tensor:
+    """One float image batch ``(N, C, H, W)`` on the model's device, for the functions that
+    change an image's pixels (the metrics, the sanity check, the comparison report).
+
+    The same checks, device and single-image rule as :func:`as_inputs`, for one tensor of
+    images.
+
+    Raises:
+        CamvizError: As :func:`as_inputs`; also several inputs, signals or volumes.
+    """
+    if not isinstance(inputs, torch.Tensor):
+        raise CamvizError(
+            f"inputs must be one tensor of images (N, C, H, W), not {type(inputs).__name__}"
+        )
+    batch = as_inputs(inputs, model).main
+    if batch.dim() != 4:
+        raise CamvizError(
+            f"this measures image batches (N, C, H, W), got shape {tuple(batch.shape)}; "
+            "explain signals and volumes with camviz.explain"
+        )
+    return batch.detach()

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from camviz.core.batch import call_model
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import capture
+from camviz.core.inputs import call_model
 from camviz.core.layers import Layer
 from camviz.core.modelstate import eval_mode
 

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from camviz.core.batch import call_model
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import tensors_in
+from camviz.core.inputs import call_model
 from camviz.core.layers import Layer, resolve_layers
 from camviz.core.modelstate import HookSet, eval_mode
 from camviz.core.targets import Target, score_fns

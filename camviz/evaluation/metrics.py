@@ -41,8 +41,8 @@ import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 from torchvision.transforms.v2 import functional as TF  # noqa: N812 - the conventional name
 
-from camviz.core.batch import as_batch
 from camviz.core.errors import CamvizError
+from camviz.core.inputs import as_batch
 from camviz.core.maps import upsample
 from camviz.core.modelstate import eval_mode
 from camviz.core.targets import Target, as_logits, score_fns
@@ -480,7 +480,7 @@ class _Context:
             raise CamvizError(f"score must be 'probability' or 'logit', not {score!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise CamvizError(f"batch_size must be a positive integer, not {batch_size!r}")
-        inputs = as_batch(inputs, model, single=False)
+        inputs = as_batch(inputs, model)
         maps = _checked_maps(heatmaps, inputs)
         order = torch.argsort(maps.flatten(1), dim=1, descending=True, stable=True)
         ranks = torch.empty_like(order)

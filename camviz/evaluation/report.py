@@ -43,8 +43,8 @@ from PIL import Image
 
 from camviz.cams.engine import explain
 from camviz.cams.registry import get
-from camviz.core.batch import as_batch, model_device
 from camviz.core.errors import CamvizError
+from camviz.core.inputs import as_batch, model_device
 from camviz.core.layers import Layer
 from camviz.core.precision import Precision, check_precision
 from camviz.core.targets import as_logits, class_name

@@ -37,10 +37,10 @@ from torch import nn
 
 from camviz.cams.base import CamMethod
 from camviz.cams.engine import explain
-from camviz.core.batch import as_batch
 from camviz.core.calls import CallMode
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import tensors_in
+from camviz.core.inputs import as_batch
 from camviz.core.layers import Layer, resolve_layers
 from camviz.core.modelstate import eval_mode
 from camviz.core.targets import Target, TopK
@@ -123,7 +123,7 @@ def cascading_randomization(
     copied = copy.deepcopy(model)
     if next(copied.parameters(), None) is None:
         raise CamvizError("the model has no parameters to randomise")
-    inputs = as_batch(inputs, copied, single=False)
+    inputs = as_batch(inputs, copied)
     original = explainer(copied, inputs, target)
     target = _fixed_target(target, copied, inputs)
     groups = _stages(copied, inputs, stages)

@@ -71,8 +71,8 @@ import torch
 from PIL import Image
 
 from camviz.cams import get as get_method
-from camviz.core.batch import model_device
 from camviz.core.errors import CamvizError
+from camviz.core.inputs import model_device
 from camviz.core.layers import Layer, resolve_layers
 from camviz.core.precision import check_precision
 from camviz.core.targets import Target
