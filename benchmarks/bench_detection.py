@@ -1,0 +1,161 @@
+"""Grad-CAM of detections on a torchvision detector against a plain forward pass; Ablation-CAM's
+memory.
+
+Run by hand (never in the tests)::
+
+    python benchmarks/bench_detection.py             # times, about a minute on one core
+    python benchmarks/bench_detection.py --ablation  # and Ablation-CAM's peak memory (minutes)
+
+The model is ``fasterrcnn_mobilenet_v3_large_320_fpn`` with random weights and
+``box_score_thresh=0.0`` (so that a random network still returns its 100 best boxes), on one
+image at its default input size (320 px), explained at camviz's default layer for it.
+
+Times are medians of ``--repeat`` rounds after one warm-up, in one process, on the same image;
+each round runs every variant once, so that a busy machine slows them alike:
+
+* ``forward``: one plain forward pass under ``torch.inference_mode``;
+* ``backward after the layer``: one ``torch.autograd.grad`` of one detection's score to the
+  target layer's output, on the graph of one forward pass: the cost of one more object when
+  the forward pass is shared;
+* ``gradcam, K objects``: ``camviz.explain(model, image, target=camviz.Detection(range(K)))``,
+  K maps from one call.
+
+With ``--ablation``, a fresh process runs Ablation-CAM of one detection and reports how far
+its peak resident memory rose above that of a plain forward pass (``ru_maxrss``: what the
+operating system saw), next to the memory budget it was given (``--memory-budget``, else its
+default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_320_fpn
+
+import camviz
+from camviz.core.hooks import tensors_in
+
+OBJECTS = (1, 5, 10)
+SIZE = 320
+
+
+def detector() -> nn.Module:
+    torch.manual_seed(0)
+    return fasterrcnn_mobilenet_v3_large_320_fpn(
+        weights=None, weights_backbone=None, box_score_thresh=0.0
+    ).eval()
+
+
+def image() -> torch.Tensor:
+    return torch.rand(1, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
+
+
+def runners(model: nn.Module, batch: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """No-argument functions that each run one variant once."""
+    layer = camviz.explain(model, batch, target=camviz.Detection(0)).layers[0]
+    print(f"default layer: {layer}")
+    module = model.get_submodule(layer.split("[")[0].split(":")[0])
+    captured: list[torch.Tensor] = []
+
+    def capture(_: nn.Module, __: object, output: object) -> None:
+        captured[:] = tensors_in(output)
+
+    handle = module.register_forward_hook(capture)
+
+    def forward() -> object:
+        with torch.inference_mode():
+            return model(batch)
+
+    def backward_after_layer() -> object:
+        return torch.autograd.grad(score, captured, retain_graph=True)
+
+    score = model(batch)[0]["scores"][0]  # the graph that backward_after_layer walks
+    handle.remove()
+    runs: dict[str, Callable[[], object]] = {
+        "forward": forward,
+        "backward after the layer": backward_after_layer,
+    }
+    for count in OBJECTS:
+        target = camviz.Detection(list(range(count)))
+        runs[f"gradcam, {count} object{'s' * (count > 1)}"] = lambda target=target: (
+            camviz.explain(model, batch, target=target).heatmaps
+        )
+    return runs
+
+
+def timings(runs: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for run in runs.values():
+        run()
+    for _ in range(repeat):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def ablation_memory(memory_budget: str | None) -> dict[str, float]:
+    """In this (fresh) process: the rise of peak RSS from a forward pass to Ablation-CAM."""
+    model, batch = detector(), image()
+    with torch.inference_mode():
+        model(batch)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    options = {} if memory_budget is None else {"memory_budget": memory_budget}
+    start = time.perf_counter()
+    camviz.explain(model, batch, "ablationcam", target=camviz.Detection(0), **options)
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"extra": after - before, "seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per variant")
+    parser.add_argument("--ablation", action="store_true", help="also Ablation-CAM's memory")
+    parser.add_argument("--memory-budget", help="Ablation-CAM's memory_budget, e.g. 512MiB")
+    parser.add_argument("--ablation-child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.ablation_child:
+        print(json.dumps(ablation_memory(args.memory_budget)))
+        return
+
+    model, batch = detector(), image()
+    seconds = timings(runners(model, batch), args.repeat)
+    forward, backward = seconds["forward"], seconds["backward after the layer"]
+    print(f"fasterrcnn_mobilenet_v3_large_320_fpn (random weights), one {SIZE} px image, 1 thread")
+    print("| variant | median time | vs forward |")
+    print("| --- | --- | --- |")
+    for name, value in seconds.items():
+        print(f"| {name} | {value * 1000:.0f} ms | {value / forward:.2f}x |")
+    most = f"gradcam, {OBJECTS[-1]} objects"
+    further = (seconds[most] - seconds["gradcam, 1 object"]) / (OBJECTS[-1] - 1)
+    print(
+        f"each further object: {further * 1000:.0f} ms = {further / backward:.2f} backward "
+        "passes after the layer"
+    )
+    if args.ablation:
+        command = [sys.executable, __file__, "--ablation-child"]
+        if args.memory_budget:
+            command += ["--memory-budget", args.memory_budget]
+        child = subprocess.run(command, capture_output=True, text=True, check=True)
+        measured = json.loads(child.stdout.strip().splitlines()[-1])
+        print(
+            f"ablationcam, 1 object: {measured['seconds']:.0f} s, peak memory "
+            f"{measured['extra'] / 2**20:.0f} MiB above a forward pass (budget: "
+            f"{args.memory_budget or 'its default'})"
+        )
+
+
+if __name__ == "__main__":
+    main()
