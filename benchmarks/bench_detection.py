@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,10 +60,13 @@ def image() -> torch.Tensor:
     return torch.rand(1, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
 
 
-def runners(model: nn.Module, batch: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """No-argument functions that each run one variant once."""
-    layer = camviz.explain(model, batch, target=camviz.Detection(0)).layers[0]
-    print(f"default layer: {layer}")
+def runners(
+    model: nn.Module, batch: torch.Tensor, layer: str | None
+) -> dict[str, Callable[[], object]]:
+    """No-argument functions that each run one variant once, at ``layer`` (``None``: camviz's
+    default)."""
+    layer = camviz.explain(model, batch, layer=layer, target=camviz.Detection(0)).layers[0]
+    print(f"layer: {layer}")
     module = model.get_submodule(layer.split("[")[0].split(":")[0])
     captured: list[torch.Tensor] = []
 
@@ -85,11 +89,16 @@ def runners(model: nn.Module, batch: torch.Tensor) -> dict[str, Callable[[], obj
         "backward after the layer": backward_after_layer,
     }
     for count in OBJECTS:
-        target = camviz.Detection(list(range(count)))
-        runs[f"gradcam, {count} object{'s' * (count > 1)}"] = lambda target=target: (
-            camviz.explain(model, batch, target=target).heatmaps
-        )
+        runs[f"gradcam, {count} object{'s' * (count > 1)}"] = explaining(model, batch, layer, count)
     return runs
+
+
+def explaining(
+    model: nn.Module, batch: torch.Tensor, layer: str, count: int
+) -> Callable[[], object]:
+    """Grad-CAM of the first ``count`` detections, in one call."""
+    target = camviz.Detection(list(range(count)))
+    return lambda: camviz.explain(model, batch, layer=layer, target=target).heatmaps
 
 
 def timings(runs: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
@@ -104,15 +113,16 @@ def timings(runs: dict[str, Callable[[], object]], repeat: int) -> dict[str, flo
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def ablation_memory(memory_budget: str | None) -> dict[str, float]:
+def ablation_memory(layer: str | None, memory_budget: str | None) -> dict[str, float]:
     """In this (fresh) process: the rise of peak RSS from a forward pass to Ablation-CAM."""
     model, batch = detector(), image()
     with torch.inference_mode():
         model(batch)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    options = {} if memory_budget is None else {"memory_budget": memory_budget}
+    options: dict[str, Any] = {} if memory_budget is None else {"memory_budget": memory_budget}
     start = time.perf_counter()
-    camviz.explain(model, batch, "ablationcam", target=camviz.Detection(0), **options)
+    target = camviz.Detection(0)
+    camviz.explain(model, batch, "ablationcam", layer=layer, target=target, **options)
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"extra": after - before, "seconds": seconds}
@@ -121,17 +131,18 @@ def ablation_memory(memory_budget: str | None) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per variant")
+    parser.add_argument("--layer", help="target layer (default: camviz's default)")
     parser.add_argument("--ablation", action="store_true", help="also Ablation-CAM's memory")
     parser.add_argument("--memory-budget", help="Ablation-CAM's memory_budget, e.g. 512MiB")
     parser.add_argument("--ablation-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.ablation_child:
-        print(json.dumps(ablation_memory(args.memory_budget)))
+        print(json.dumps(ablation_memory(args.layer, args.memory_budget)))
         return
 
     model, batch = detector(), image()
-    seconds = timings(runners(model, batch), args.repeat)
+    seconds = timings(runners(model, batch, args.layer), args.repeat)
     forward, backward = seconds["forward"], seconds["backward after the layer"]
     print(f"fasterrcnn_mobilenet_v3_large_320_fpn (random weights), one {SIZE} px image, 1 thread")
     print("| variant | median time | vs forward |")
@@ -146,6 +157,8 @@ def main() -> None:
     )
     if args.ablation:
         command = [sys.executable, __file__, "--ablation-child"]
+        if args.layer:
+            command += ["--layer", args.layer]
         if args.memory_budget:
             command += ["--memory-budget", args.memory_budget]
         child = subprocess.run(command, capture_output=True, text=True, check=True)

@@ -27,7 +27,7 @@ SCENES_SEED = 2026
 def explained() -> dict[str, torch.Tensor]:
     """Every found object's map, its box, and the scenes' counts, for the tests below."""
     detector = load_detector()
-    scenes = make_scenes(24, objects=(2, 3), seed=SCENES_SEED)
+    scenes = make_scenes(40, objects=(2, 3), seed=SCENES_SEED)
     adapter = camviz.DenseDetections()
     with torch.inference_mode():
         detections = adapter(detector(scenes.images))
@@ -48,6 +48,7 @@ def explained() -> dict[str, torch.Tensor]:
         )
         maps.append(result.heatmaps)
         boxes.append(scenes.boxes[n][hit])
+        assert result.boxes is not None
         explained_boxes.append(result.boxes)
         found_boxes.append(found["boxes"][best[hit]])
     return {
