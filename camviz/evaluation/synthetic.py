@@ -8,8 +8,9 @@ can be measured without annotating anything (:mod:`camviz.localization`). Colour
 and places are random, so only the object's shape tells its class, and a classifier that
 is right must have looked at it.
 
-:func:`make_scenes` draws *scenes* of the same shapes for detection and segmentation: two
-to four objects per image, each with its box and mask, and a per-pixel class map.
+:func:`make_scenes` draws *scenes* of the same shapes for detection and segmentation: up to
+four objects per image, of different classes, each with its box and mask, and a per-pixel
+class map.
 
 Everything is drawn with torch from one seeded generator: the same ``seed`` gives the same
 images on any machine. :class:`SyntheticCNN` is the small classifier trained on the one-object
