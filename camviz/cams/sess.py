@@ -235,7 +235,7 @@ class SESS(Wrapper):
             for rank in layer_data(data.model, patches, recorded, data.layer)
         ]
         raw = self.base.rank_maps(ranks)[0]
-        return normalize(upsample(normalize(torch.relu(raw)), patches.shape[-2:]))
+        return normalize(ranks[0].on_input(normalize(torch.relu(raw))))
 
     @staticmethod
     def pasted(
