@@ -43,18 +43,21 @@ def _spread_scores(model: nn.Module, head: nn.Module) -> nn.Module:
 @pytest.fixture(scope="module")
 def faster() -> nn.Module:
     from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_320_fpn
+    from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 
     torch.manual_seed(0)
     model = fasterrcnn_mobilenet_v3_large_320_fpn(
         weights=None,
         weights_backbone=None,
-        num_classes=4,
         min_size=64,
         max_size=128,
         box_score_thresh=0.0,
         rpn_pre_nms_top_n_test=50,
         rpn_post_nms_top_n_test=20,
     )
+    # A small box head (torchvision's has 1024 features): fast re-runs for Score-CAM.
+    model.roi_heads.box_head = TwoMLPHead(256 * 7 * 7, 32)
+    model.roi_heads.box_predictor = FastRCNNPredictor(32, 4)
     return _spread_scores(model, model.roi_heads.box_predictor.cls_score)
 
 
@@ -243,3 +246,16 @@ def test_a_list_for_a_model_that_is_no_detector_still_means_several_inputs():
     expected = torch.stack([_minmax(values) for values in expected])
     assert isinstance(explanation.heatmaps, torch.Tensor)
     torch.testing.assert_close(explanation.heatmaps, expected, atol=1e-5, rtol=0)
+
+
+def test_aug_smooth_lays_each_pass_of_a_detector_batch_on_the_image(faster):
+    (image,) = _images((48, 80))
+
+    smoothed = camviz.explain(faster, image[None], "gradcam", FASTER_LAYER, top3, aug_smooth=(1.0,))
+
+    # The plain and the flipped pass, each laid on the image as the detector saw it.
+    plain = camviz.explain(faster, image[None], "gradcam", FASTER_LAYER, top3)
+    flipped = camviz.explain(faster, image.flip(-1)[None], "gradcam", FASTER_LAYER, top3)
+    laid = [_laid_by_hand(faster, [image], 0, each.layer_maps)[0] for each in (plain, flipped)]
+    expected = _minmax((laid[0] + laid[1].flip(-1)) / 2)
+    torch.testing.assert_close(smoothed.heatmaps[0], expected, atol=1e-4, rtol=0)
