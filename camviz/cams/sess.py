@@ -142,6 +142,11 @@ class SESS(Wrapper):
     rank_maps = CamMethod.rank_maps  # rank by rank: each rank's base maps are its own
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
+        if data.batch is not None and data.batch.image_sizes is not None:
+            raise CamvizError(
+                "sess cuts its windows from a batch of one image size; explain a list of "
+                "images one by one"
+            )
         height, width = data.inputs.shape[-2:]
         window = self.window or min(height, width)
         stride = self.stride or window
