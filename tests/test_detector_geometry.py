@@ -259,3 +259,16 @@ def test_aug_smooth_lays_each_pass_of_a_detector_batch_on_the_image(faster):
     laid = [_laid_by_hand(faster, [image], 0, each.layer_maps)[0] for each in (plain, flipped)]
     expected = _minmax((laid[0] + laid[1].flip(-1)) / 2)
     torch.testing.assert_close(smoothed.heatmaps[0], expected, atol=1e-4, rtol=0)
+
+
+def test_noise_of_each_image_of_a_list_is_its_own_as_alone(faster):
+    # Smooth Grad-CAM++ draws noise per image and scales it by the image's own range: in a
+    # list, both are those of the image alone (not of the zero-padded batch).
+    images = _images((48, 80), (40, 64))
+    options = {"samples": 2, "seed": 3}
+
+    together = camviz.explain(faster, images, "smooth_gradcam++", FASTER_LAYER, top3, **options)
+
+    for image, heatmap in zip(images, together.heatmaps, strict=True):
+        alone = camviz.explain(faster, [image], "smooth_gradcam++", FASTER_LAYER, top3, **options)
+        torch.testing.assert_close(heatmap, alone.heatmaps[0], atol=1e-4, rtol=0)

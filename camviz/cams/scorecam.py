@@ -221,6 +221,7 @@ class SSCAM(ScoreCAM):
         inputs = data.inputs
         batch, channels = data.activations.shape[:2]
         noise = SampleNoise(batch, self.seed, inputs.device)
+        sizes = data.batch.image_sizes if data.batch is not None else None
         scores = inputs.new_zeros(len(ranks), batch, channels)
         pairs = torch.cartesian_prod(
             torch.arange(batch, device=inputs.device), torch.arange(channels, device=inputs.device)
@@ -229,7 +230,7 @@ class SSCAM(ScoreCAM):
             for chunk in pairs.split(self.rows_per_pass(inputs)):
                 samples, chunk_channels = chunk.unbind(dim=1)
                 masks = self.masks(data, samples, chunk_channels)
-                draw = noise.draw(samples, masks.shape[1:], masks.dtype)
+                draw = noise.draw(samples, masks.shape[1:], masks.dtype, sizes)
                 masked = inputs[samples] * (masks + self.std * draw).unsqueeze(1)
                 scores[:, samples, chunk_channels] += rank_scores(
                     data.run(masked, samples), ranks, samples
