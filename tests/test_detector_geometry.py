@@ -131,19 +131,19 @@ def _gradcam_by_hand(model: nn.Module, layer: str, images: list[torch.Tensor]) -
 
 
 def test_faster_rcnn_map_lies_on_the_non_square_image_through_resize_and_padding(faster):
-    (image,) = _images((48, 80))
+    images = _images((48, 80), (48, 80))
     # By hand: scale min(64 / 48, 128 / 80) = 4/3, so 64 x 106, padded to multiples of 32.
-    batch, _ = faster.transform([image])
-    assert batch.image_sizes == [(64, 106)] and batch.tensors.shape[-2:] == (64, 128)
+    batch, _ = faster.transform(images)
+    assert batch.image_sizes == [(64, 106)] * 2 and batch.tensors.shape[-2:] == (64, 128)
 
-    explanation = camviz.explain(faster, image[None], "gradcam", FASTER_LAYER, top3)
+    explanation = camviz.explain(faster, torch.stack(images), "gradcam", FASTER_LAYER, top3)
 
-    assert explanation.heatmaps.shape == (1, 48, 80)
-    (expected,) = _gradcam_by_hand(faster, FASTER_LAYER, [image])
-    torch.testing.assert_close(explanation.heatmaps[0], expected, atol=1e-4, rtol=0)
+    assert explanation.heatmaps.shape == (2, 48, 80)
+    expected = torch.stack(_gradcam_by_hand(faster, FASTER_LAYER, images))
+    torch.testing.assert_close(explanation.heatmaps, expected, atol=1e-4, rtol=0)
     # Stretching the grid over the whole image (no crop) would be visibly wrong.
-    stretched = _minmax(F.interpolate(explanation.layer_maps[None], (48, 80), mode="bilinear"))
-    assert (stretched[0, 0] - expected).abs().max() > 0.05
+    stretched = F.interpolate(explanation.layer_maps[:, None], (48, 80), mode="bilinear")[:, 0]
+    assert (_minmax(stretched[0]) - expected[0]).abs().max() > 0.05
 
 
 def test_ssd_map_lies_on_the_image_through_its_fixed_size_stretch(ssd):

@@ -91,8 +91,8 @@ class Explanation:
             detector's maps are laid back on each image through its own resize and padding
             (:mod:`camviz.core.placement`).
         layer_maps: ``(M, *grid)`` maps of the (first) target layer at its own resolution
-            (at the input's for methods with ``input_resolution``; for a list of images,
-            at the zero-padded batch's), processed as ``heatmaps``.
+            (at the input's for methods with ``input_resolution``; a detector's grid covers
+            its own resized and padded batch), processed as ``heatmaps``.
         maps_by_layer: ``{layer: (M, *grid)}`` for every target layer.
         targets: ``(M,)`` explained class ids (``-1`` when the target was a callable).
         scores: ``(M,)`` explained scores (logits) from the forward pass.
