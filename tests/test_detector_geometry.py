@@ -272,3 +272,18 @@ def test_noise_of_each_image_of_a_list_is_its_own_as_alone(faster):
     for image, heatmap in zip(images, together.heatmaps, strict=True):
         alone = camviz.explain(faster, [image], "smooth_gradcam++", FASTER_LAYER, top3, **options)
         torch.testing.assert_close(heatmap, alone.heatmaps[0], atol=1e-4, rtol=0)
+
+
+def test_detection_targets_on_a_list_give_sample_major_maps_each_at_its_image_size(faster):
+    images = _images((48, 80), (40, 64))  # one padded size alone or together (see above)
+
+    together = camviz.explain(faster, images, "gradcam", FASTER_LAYER, camviz.Detection([0, 1]))
+
+    assert together.samples.tolist() == [0, 0, 1, 1]
+    for n, image in enumerate(images):
+        alone = camviz.explain(faster, [image], "gradcam", FASTER_LAYER, camviz.Detection([0, 1]))
+        for rank in range(2):
+            torch.testing.assert_close(
+                together.heatmaps[2 * n + rank], alone.heatmaps[rank], atol=1e-4, rtol=0
+            )
+        torch.testing.assert_close(together.boxes[2 * n : 2 * n + 2], alone.boxes)
