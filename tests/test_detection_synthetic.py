@@ -33,6 +33,8 @@ def explained() -> dict[str, torch.Tensor]:
         detections = adapter(detector(scenes.images))
     maps, boxes, explained_boxes, found_boxes = [], [], [], []
     for n, found in enumerate(detections):
+        if not len(found["boxes"]):
+            continue
         overlaps = box_iou(scenes.boxes[n].float(), found["boxes"])
         same_class = scenes.labels[n].view(-1, 1) == found["labels"].view(1, -1)
         overlaps = torch.where(same_class, overlaps, 0.0)
