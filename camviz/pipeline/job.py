@@ -79,7 +79,7 @@ from camviz.core.targets import Target
 from camviz.io.atomic import atomic_write
 from camviz.io.images import PathLike
 from camviz.io.models import LoadedModel
-from camviz.io.render import SALIENCY_PERCENTILE, overlay, panel_image
+from camviz.io.render import SALIENCY_PERCENTILE, overlay, panel_image, picture_device
 from camviz.io.video import frame_rate, write_video
 from camviz.pipeline import distributed, lock, manifest
 from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
@@ -294,6 +294,8 @@ class _Job:
         self.explained = 0
         # Pixel-level saliency is drawn clipped: a few pixels hold the maximum.
         self.clip = SALIENCY_PERCENTILE if get_method(settings["method"]).pixel_level else None
+        # On a GPU the pictures are resized, coloured and blended there (io/render.py).
+        self.device = picture_device(model_device(loaded.model))
 
     def run(self, indices: list[int], *, writers: int, **options: Any) -> None:
         from camviz.pipeline.writer import Writer
@@ -379,7 +381,7 @@ class _Job:
         if self.outputs.overlay:
             assert image is not None
             files["overlay"] = f"{stem}_overlay.png"
-            drawn = overlay(image, heatmap, alpha, colormap, clip=self.clip)
+            drawn = overlay(image, heatmap, alpha, colormap, clip=self.clip, device=self.device)
             _save_png(drawn, self.out / files["overlay"])
         if self.outputs.panel and item.frame is None:
             assert image is not None
@@ -392,7 +394,13 @@ class _Job:
             layers = ", ".join(result.layers)
             title = f"{prediction.name}: {shown} ({result.method}, layer {layers})"
             drawn = panel_image(
-                image, heatmap, title=title, alpha=alpha, colormap=colormap, clip=self.clip
+                image,
+                heatmap,
+                title=title,
+                alpha=alpha,
+                colormap=colormap,
+                clip=self.clip,
+                device=self.device,
             )
             with atomic_write(self.out / files["panel"]) as file:
                 drawn.save(file, format="JPEG", quality=_PANEL_QUALITY)
