@@ -2,10 +2,10 @@
 
 Heatmaps are ``(H, W)`` torch tensors or numpy arrays with values in ``[0, 1]``, such as
 one row of :attr:`camviz.Explanation.heatmaps`. They may come from any device. Overlays and
-panels are computed on the CPU, or with ``device="cuda"`` on the GPU: the photo goes up
-once, the map is resized, coloured and blended there, and each picture comes back once, as
-uint8, to be encoded. Both run the same torch code; only the panel's photo tile is resized
-with Pillow on the CPU, where it is faster than torch's antialiased resize
+panels are computed with torch on the CPU, or with ``device="cuda"`` on the GPU: the photo
+goes up once, the map is resized, coloured and blended there, and each picture comes back
+once, as uint8, to be encoded. The same code runs on both; on the CPU torchvision's uint8
+resize of the panel's photo tile gives Pillow's pixels in about half Pillow's time
 (``benchmarks/bench_render_device.py``).
 
 Overlays are drawn at the *original* image's size: the heatmap (computed at the model's
@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeGuard
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
+from torchvision.transforms.v2.functional import resize
 from torchvision.utils import make_grid, save_image
 
 from camviz.core.errors import CamvizError
@@ -174,12 +175,7 @@ def panel_image(
     _check_alpha(alpha)
     rgb = _as_rgb(image)
     size = (width, max(1, round(rgb.height * width / rgb.width)))
-    if device is None:  # Pillow resizes a photo faster than torch on a CPU
-        if rgb.size != size:
-            rgb = rgb.resize(size, Image.Resampling.BILINEAR, reducing_gap=2.0)
-        pixels = _pixels(rgb, None)
-    else:
-        pixels = _resized_pixels(_pixels(rgb, device), size)
+    pixels = _resized_pixels(_pixels(rgb, device), size)
     values = _resized(clipped(_as_map(heatmap, pixels.device), clip), size)
     table = lookup_table(colormap)
     gap = torch.full((size[1], _PANEL_GAP, 3), 255, dtype=torch.uint8, device=pixels.device)
@@ -202,13 +198,6 @@ def panel_image(
         draw.text((left + width / 2, top), caption, fill="black", font=font, anchor="ma")
     canvas.paste(_picture(strip), (_PANEL_GAP, picture_top))
     return canvas
-
-
-def picture_device(device: torch.device | None) -> torch.device | None:
-    """The ``device=`` for :func:`overlay` and :func:`panel_image` when the model runs on
-    ``device``: the accelerator itself, so that maps never wait for a copy; ``None`` (the
-    CPU path, with Pillow's faster photo resize) for the CPU or no device."""
-    return None if device is None or device.type == "cpu" else device
 
 
 def clipped(values: torch.Tensor, percentile: float | None) -> torch.Tensor:
@@ -555,11 +544,8 @@ def _resized_pixels(pixels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor
     width, height = size
     if pixels.shape[:2] == (height, width):
         return pixels
-    channels_first = pixels.permute(2, 0, 1).unsqueeze(0).float()
-    resized = torch.nn.functional.interpolate(
-        channels_first, size=(height, width), mode="bilinear", antialias=True
-    )
-    return resized[0].permute(1, 2, 0).round_().clamp_(0, 255).to(torch.uint8)
+    resized = resize(pixels.permute(2, 0, 1), [height, width], antialias=True)
+    return resized.permute(1, 2, 0)
 
 
 def _picture(pixels: torch.Tensor) -> Image.Image:

@@ -79,7 +79,7 @@ from camviz.core.targets import Target
 from camviz.io.atomic import atomic_write
 from camviz.io.images import PathLike
 from camviz.io.models import LoadedModel
-from camviz.io.render import SALIENCY_PERCENTILE, overlay, panel_image, picture_device
+from camviz.io.render import SALIENCY_PERCENTILE, overlay, panel_image
 from camviz.io.video import frame_rate, write_video
 from camviz.pipeline import distributed, lock, manifest
 from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
@@ -294,8 +294,8 @@ class _Job:
         self.explained = 0
         # Pixel-level saliency is drawn clipped: a few pixels hold the maximum.
         self.clip = SALIENCY_PERCENTILE if get_method(settings["method"]).pixel_level else None
-        # On a GPU the pictures are resized, coloured and blended there (io/render.py).
-        self.device = picture_device(model_device(loaded.model))
+        # The pictures are resized, coloured and blended on the model's device (render.py).
+        self.device = model_device(loaded.model)
 
     def run(self, indices: list[int], *, writers: int, **options: Any) -> None:
         from camviz.pipeline.writer import Writer
