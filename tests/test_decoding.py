@@ -52,12 +52,16 @@ def test_decoder_choice(files):
     assert {decoding.decoder(path, on_device=False) for path in files.values()} == {"pillow"}
 
 
-def test_only_cuda_with_a_tensor_preprocess_decodes_on_the_device():
-    nvjpeg = hasattr(torch.ops.image, "decode_jpegs_cuda")
-    assert decoding.device_decodes(torch.device("cuda", 0), Preprocess()) is nvjpeg
+def test_only_cuda_with_nvjpeg_and_a_tensor_preprocess_decodes_on_the_device(monkeypatch):
+    if not torch.cuda.is_available():
+        assert not decoding.nvjpeg_decodes(torch.device("cuda", 0))
+    monkeypatch.setattr(decoding, "nvjpeg_decodes", lambda device: device.type == "cuda")
+    assert decoding.device_decodes(torch.device("cuda", 0), Preprocess())
     assert not decoding.device_decodes(torch.device("cpu"), Preprocess())
     assert not decoding.device_decodes(None, Preprocess())
     assert not decoding.device_decodes(torch.device("cuda"), lambda image: torch.zeros(3))
+    monkeypatch.setattr(decoding, "nvjpeg_decodes", lambda device: False)  # no nvjpeg built in
+    assert not decoding.device_decodes(torch.device("cuda", 0), Preprocess())
 
 
 def test_decode_gives_pillows_pixels_and_none_for_a_file_it_refuses(files):

@@ -79,9 +79,13 @@ def test_large_downscales_give_pillows_exact_resize(photo):
     _within_a_level(tile, np.asarray(photo.resize((24, 18), Image.Resampling.BILINEAR)))
 
 
-def test_the_folder_job_draws_on_the_models_device(tmp_path, photo, monkeypatch):
+def test_the_folder_job_draws_on_a_cuda_gpu_and_else_on_the_cpu(tmp_path, photo, monkeypatch):
     from camviz.pipeline import job
 
+    assert job.drawing_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert job.drawing_device(torch.device("mps")) is None  # MPS has no kthvalue (clip=)
+    assert job.drawing_device(torch.device("cpu")) is None
+    assert job.drawing_device(None) is None
     devices = []
 
     def spy(draw):
@@ -93,6 +97,7 @@ def test_the_folder_job_draws_on_the_models_device(tmp_path, photo, monkeypatch)
 
     monkeypatch.setattr(job, "overlay", spy(overlay))
     monkeypatch.setattr(job, "panel_image", spy(panel_image))
+    monkeypatch.setattr(job, "drawing_device", lambda device: device)  # the CPU as the GPU
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()
@@ -101,3 +106,5 @@ def test_the_folder_job_draws_on_the_models_device(tmp_path, photo, monkeypatch)
     loaded = LoadedModel(model, Preprocess(size=16), ["a", "b", "c", "d"], "tiny")
     job.explain_files(tmp_path / "photo.png", tmp_path / "out", loaded, layer="1")
     assert devices == [torch.device("cpu")] * 2
+    with Image.open(tmp_path / "out" / "photo_overlay.png") as written:
+        assert written.size == photo.size

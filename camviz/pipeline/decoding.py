@@ -7,7 +7,8 @@ once (:func:`decode`, ``torchvision.io.decode_jpeg(list, device="cuda")``), then
 and normalises them there. Everything else takes the CPU path of
 :func:`camviz.io.images.load_image` (Pillow), which :func:`decoder` names:
 
-* any other device (a CPU run decodes with Pillow in its workers, in parallel);
+* any other device (a CPU run decodes with Pillow in its workers, in parallel), and a
+  torchvision without nvjpeg (:func:`nvjpeg_decodes` tries it once per device);
 * other formats (PNG, WebP, ...), video frames, and a custom preprocessing callable that
   takes PIL images only;
 * JPEGs whose pixels nvjpeg would not give as :func:`~camviz.io.images.load_image` does:
@@ -24,6 +25,8 @@ level here and there.
 
 from __future__ import annotations
 
+import functools
+import io
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -50,8 +53,23 @@ def device_decodes(device: torch.device | None, preprocess: Callable[..., torch.
         device is not None
         and device.type == "cuda"
         and isinstance(preprocess, Preprocess)
-        and hasattr(torch.ops.image, "decode_jpegs_cuda")  # torchvision built with nvjpeg
+        and nvjpeg_decodes(device)
     )
+
+
+@functools.cache
+def nvjpeg_decodes(device: torch.device) -> bool:
+    """Whether torchvision decodes JPEGs on ``device``: tried once on a one-pixel JPEG, since
+    a torchvision built without nvjpeg still has the function and fails only when called."""
+    if not torch.cuda.is_available():
+        return False  # (torchvision would print a C++ trace before raising)
+    pixel = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(pixel, format="JPEG")
+    encoded = torch.frombuffer(bytearray(pixel.getvalue()), dtype=torch.uint8)
+    try:
+        return decode([encoded], device)[0] is not None
+    except (RuntimeError, AssertionError, ValueError):  # no CUDA, no nvjpeg, no such device
+        return False
 
 
 def decoder(path: PathLike, on_device: bool) -> Decoder:

@@ -294,8 +294,7 @@ class _Job:
         self.explained = 0
         # Pixel-level saliency is drawn clipped: a few pixels hold the maximum.
         self.clip = SALIENCY_PERCENTILE if get_method(settings["method"]).pixel_level else None
-        # The pictures are resized, coloured and blended on the model's device (render.py).
-        self.device = model_device(loaded.model)
+        self.device = drawing_device(model_device(loaded.model))
 
     def run(self, indices: list[int], *, writers: int, **options: Any) -> None:
         from camviz.pipeline.writer import Writer
@@ -409,6 +408,13 @@ class _Job:
             files["heatmap"] = f"{stem}_heatmap{suffix}"
             save_heatmap(heatmap, self.out / files["heatmap"])
         return files
+
+
+def drawing_device(device: torch.device | None) -> torch.device | None:
+    """Where overlays and panels are computed for a model on ``device``: on a CUDA GPU, the
+    GPU itself (:mod:`camviz.io.render`); else the CPU (``None``), also for other
+    accelerators, which lack some of the operations (MPS has no ``kthvalue``)."""
+    return device if device is not None and device.type == "cuda" else None
 
 
 def save_heatmap(heatmap: torch.Tensor, path: PathLike) -> Path:
