@@ -10,7 +10,8 @@ Run by hand on a machine with a CUDA GPU (never in the tests or CI)::
 Without CUDA (and without ``--device cpu``) it prints one line and exits with status 1.
 
 In fp32 and in bf16 (``precision="bf16"``; with ``channels_last=True`` in both, as a GPU
-user would run it; bf16 only where the device computes it natively), each measured after
+user would run it; bf16 only where the device computes it natively, or with
+``CAMVIZ_EMULATED_PRECISION=1``), each measured after
 a warm-up, times the median of ``--repeat`` runs (with ``torch.cuda.synchronize`` on a GPU),
 memory the peak allocated by torch on the GPU during the runs minus what was allocated
 before them:
