@@ -53,7 +53,16 @@ from camviz.core.maps import normalize_signed, upsample
 from camviz.core.modelstate import eval_mode, exclusive, uncompiled
 from camviz.core.precision import Precision, at_least_fp32, check_precision, forward_precision
 from camviz.core.similarity import Similarity
-from camviz.core.taps import At, edit_spots, parse, spot_keys
+from camviz.core.taps import (
+    At,
+    edit_spots,
+    element_key,
+    map_elements,
+    parse,
+    replace,
+    select,
+    spot_keys,
+)
 from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 
 Fuse = Literal["mean", "max", "product"]
@@ -142,26 +151,49 @@ class LayerPass:
 
 
 class _Tap:
-    """The forward-hook edit on one target spot (see the module docstring, step 2)."""
+    """The forward-hook edit on one target spot (see the module docstring, step 2).
 
-    def __init__(self, name: str, open_gradient_path: bool) -> None:
+    A spot that holds a tuple, list or dict (an FPN's levels) is tapped at each of its
+    feature maps (:func:`camviz.core.taps.map_elements`), recorded under their element spots.
+    """
+
+    def __init__(self, name: str, open_gradient_path: bool, rank: int) -> None:
         self.name = name
         self.open_gradient_path = open_gradient_path
-        self.activation: torch.Tensor | None = None
-        self.delta: torch.Tensor | None = None
+        self.rank = rank
+        self.ran = False
+        self.activations: dict[str, torch.Tensor] = {}
+        self.deltas: dict[str, torch.Tensor] = {}
 
-    def __call__(self, output: torch.Tensor) -> torch.Tensor:
-        if self.activation is not None:
+    def __call__(self, output: Any) -> Any:
+        if self.ran:
             raise CamvizError(
                 f"layer {self.name!r} runs more than once in one forward pass (a shared "
                 "module); pick a layer that runs once"
             )
-        self.activation = output.detach().clone()
+        self.ran = True
+        if isinstance(output, torch.Tensor):
+            return self._tapped(self.name, output)
+        items = map_elements(output, self.rank)
+        if not items:
+            raise CamvizError(
+                f"layer {self.name!r} gives a {type(output).__name__} with no feature map of "
+                f"the input's rank ({self.rank + 2}-D tensors); pick a layer that outputs one, "
+                "or one element of it as 'name[0]' or 'name[key]'"
+            )
+        for item in items:
+            key = element_key(self.name, item)
+            output = replace(output, (item,), self._tapped(key, select(output, (item,), key)))
+        return output
+
+    def _tapped(self, key: str, output: torch.Tensor) -> torch.Tensor:
+        self.activations[key] = output.detach().clone()
         if not self.open_gradient_path:
             return output
         torch.set_grad_enabled(True)  # undone when the caller's no_grad block ends
-        self.delta = torch.zeros_like(output, requires_grad=True)
-        return output + self.delta
+        delta = torch.zeros_like(output, requires_grad=True)
+        self.deltas[key] = delta
+        return output + delta
 
 
 def layer_pass(
@@ -180,7 +212,9 @@ def layer_pass(
     The building block under every method: :func:`explain` calls it once, and methods
     that average over noisy or augmented inputs call it once per variant. The model must
     already be in the mode wanted (``explain`` puts it in eval mode). ``layers`` are spot
-    keys (:mod:`camviz.core.taps`); ``hessian=True`` (with ``gradients``) also records ``H A``
+    keys (:mod:`camviz.core.taps`); one whose output is a tuple, list or dict is recorded at
+    each of its feature maps, under their element spots (the keys of
+    :attr:`LayerPass.activations`); ``hessian=True`` (with ``gradients``) also records ``H A``
     at each layer (see the module docstring); ``record`` also logs every module call (for
     layouts).
     """
@@ -200,29 +234,29 @@ def _layer_pass(
     hessian: bool = False,
     record: bool = False,
 ) -> LayerPass:
-    taps = {name: _Tap(name, gradients) for name in layers}
+    taps = {name: _Tap(name, gradients, batch.main.dim() - 2) for name in layers}
     log = None
-    with edit_spots(model, taps), torch.no_grad():
+    with edit_spots(model, taps, containers=True), torch.no_grad():
         if record:
             with record_calls(model) as log:
                 output = batch(model)
         else:
             output = batch(model)
-    activations = {}
-    deltas = []  # one per layer when gradients are asked for (the strict zip below checks)
+    activations: dict[str, torch.Tensor] = {}
+    deltas: dict[str, torch.Tensor] = {}  # one per spot when gradients are asked for
     for tap in taps.values():
-        if tap.activation is None:
+        if not tap.ran:
             raise CamvizError(
                 f"layer {tap.name!r} did not run in the forward pass; pick a layer that the "
                 "model uses (`camviz layers` lists them with shapes)"
             )
-        activations[tap.name] = tap.activation
-        if tap.delta is not None:
-            deltas.append(tap.delta)
+        activations.update(tap.activations)
+        deltas.update(tap.deltas)
+    spots = list(activations)  # container spots expanded into their feature maps
     fns, ids = score_fns(target, output, output_key)
-    per_rank: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if gradients else {}
+    per_rank: dict[str, list[torch.Tensor]] = {name: [] for name in spots} if gradients else {}
     hessian = hessian and gradients
-    products: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if hessian else {}
+    products: dict[str, list[torch.Tensor]] = {name: [] for name in spots} if hessian else {}
     scores = []
     with torch.enable_grad():
         for rank, score_fn in enumerate(fns):
@@ -238,12 +272,12 @@ def _layer_pass(
                 )
             grads = torch.autograd.grad(
                 score.sum(),
-                deltas,
+                list(deltas.values()),
                 retain_graph=hessian or rank < len(fns) - 1,
                 create_graph=hessian,
                 allow_unused=True,
             )
-            for name, delta, grad in zip(layers, deltas, grads, strict=True):
+            for (name, delta), grad in zip(deltas.items(), grads, strict=True):
                 per_rank[name].append(
                     at_least_fp32(torch.zeros_like(delta) if grad is None else grad.detach())
                 )
@@ -418,6 +452,9 @@ def explain(
             record=any(_known_kind(model, name, batch, given) is None for name in layers),
         )
         _check_finite(model, batch, recorded)
+        if list(recorded.activations) != layers:  # a container output: one spot per level
+            given = _element_kinds(given, list(recorded.activations))
+            layers = list(recorded.activations)
         kinds = {name: _kind(model, name, batch, given, recorded) for name in layers}
         raw, weights, by_input = _layer_maps(cam, model, batch, recorded, kinds)
         if layer is None:
@@ -487,15 +524,29 @@ def _unwrapped(model: nn.Module) -> nn.Module:
 
 
 def _given_kinds(layers: Sequence[str], layout: str | Mapping[str, str] | None) -> dict[str, Kind]:
-    """The layout kinds that ``layout=`` gives, by spot key."""
+    """The layout kinds that ``layout=`` gives, by spot key (or element spot of one)."""
     if layout is None:
         return {}
     if isinstance(layout, str):
         return {name: layout_kind(layout) for name in layers}
-    unknown = [name for name in layout if name not in layers]
+    unknown = [
+        name
+        for name in layout
+        if not any(name == spot or name.startswith(spot + "[") for spot in layers)
+    ]
     if unknown:
         raise CamvizError(f"layout= names {unknown}, which are not target layers ({layers})")
     return {name: layout_kind(value) for name, value in layout.items()}
+
+
+def _element_kinds(given: Mapping[str, Kind], spots: Sequence[str]) -> dict[str, Kind]:
+    """The kinds ``layout=`` gives to the element spots of a container spot (by its key)."""
+    kinds = {}
+    for spot in spots:
+        named = [key for key in given if spot == key or spot.startswith(key + "[")]
+        if named:
+            kinds[spot] = given[max(named, key=len)]  # the element's own entry first
+    return kinds
 
 
 def _known_kind(
@@ -673,22 +724,28 @@ def _check_default_layer(
 ) -> None:
     """All-zero maps at a layer camviz chose, because the score does not depend on its grid,
     are an error: the user never named that layer. A head that reads only a class token
-    after the layer is such a case: the gradient reaches that token, not the patches."""
-    ((name, maps),) = raw.items()
-    if not len(maps) or bool(torch.relu(maps).any()):
+    after the layer is such a case: the gradient reaches that token, not the patches.
+
+    A default layer with several levels (an FPN) is checked as a whole: one level without
+    gradient is normal there (each box is pooled from one level)."""
+    if not all(len(maps) for maps in raw.values()) or any(
+        bool(torch.relu(maps).any()) for maps in raw.values()
+    ):
         return
-    gradients = recorded.gradients.get(name)
-    if gradients is None:  # a method without gradients: take them now, in this rare case
+    names = list(raw)
+    gradients = recorded.gradients
+    if not gradients:  # a method without gradients: take them now, in this rare case
         try:
-            with_gradients = layer_pass(model, batch, [name], target, output_key=output_key)
+            gradients = layer_pass(model, batch, names, target, output_key=output_key).gradients
         except CamvizError:  # no autograd path from the layer to the score
-            with_gradients = None
-        gradients = with_gradients.gradients[name] if with_gradients else []
-    layout = _layout(name, recorded.activations[name], batch.main, model, kinds[name])
-    if any(bool(layout.to_spatial(values).any()) for values in gradients):
-        return  # the score depends on the layer: the maps say "no positive evidence"
+            gradients = {}
+    for name, per_rank in gradients.items():
+        layout = _layout(name, recorded.activations[name], batch.main, model, kinds[name])
+        if any(bool(layout.to_spatial(values).any()) for values in per_rank):
+            return  # the score depends on the layer: the maps say "no positive evidence"
+    listed = ", ".join(repr(name) for name in names)
     raise CamvizError(
-        f"all maps are zero: the explained score does not depend on the default layer {name!r} "
+        f"all maps are zero: the explained score does not depend on the default layer {listed} "
         "at any location (a head that reads only a class token after it?); pass layer=NAME, "
         "e.g. the norm before the last attention (`camviz layers` lists them)"
     )
