@@ -103,9 +103,7 @@ def pyramid_inputs() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("as_list", [False, True], ids=["ordereddict", "list"])
-def test_levels_of_a_dict_or_list_output_equal_the_hand_formula(
-    as_list, pyramid_inputs, untouched
-):
+def test_levels_of_a_dict_or_list_output_equal_the_hand_formula(as_list, pyramid_inputs, untouched):
     torch.manual_seed(0)
     model = TwoLevelNet(as_list).eval()
     classes = torch.tensor([2, 0])
@@ -166,6 +164,44 @@ def test_layout_can_name_a_container_or_one_of_its_levels(pyramid_inputs):
         camviz.explain(model, pyramid_inputs, layer="backbone", layout={"head": "nchw"})
 
 
+class PooledPyramid(nn.Module):
+    """Two levels; the second made by a function (no module says its layout) and shaped
+    (N, 4, 4, 4) for an 8 x 8 input, which the shape alone cannot tell apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
+        fine = self.conv(x)
+        return OrderedDict([("0", fine), ("pool", F.max_pool2d(fine, 1, 2))])
+
+
+class PooledNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = PooledPyramid()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = [level.amax(dim=(2, 3)) for level in self.backbone(x).values()]
+        return self.head(torch.cat(pooled, 1))
+
+
+def test_a_level_no_module_made_is_read_like_its_siblings():
+    """The 'pool' level is channels first like level '0' (made by a convolution); alone it
+    needs layout=."""
+    torch.manual_seed(0)
+    model = PooledNet().eval()
+    inputs = torch.randn(2, 3, 8, 8)
+    result = camviz.explain(model, inputs, layer="backbone", target=1)
+    assert result.maps_by_layer["backbone[pool]"].shape == (2, 4, 4)
+    given = camviz.explain(model, inputs, layer="backbone", target=1, layout="channels_first")
+    torch.testing.assert_close(result.heatmaps, given.heatmaps)
+    with pytest.raises(CamvizError, match="cannot tell how layer 'backbone\\[pool\\]' lays out"):
+        camviz.explain(PooledNet().eval(), inputs, layer="backbone[pool]", target=1)
+
+
 class NoMapsNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -219,11 +255,8 @@ def test_faster_rcnn_fpn_levels_equal_the_hand_formula(untouched):
     with untouched(model):
         result = camviz.explain(model, inputs, layer="backbone", target=top_scores)
     levels, gradients = levels_and_gradients(model, model.backbone, inputs, top_scores)
-    assert result.layers == [f"backbone[{key}]" for key in levels] == [
-        "backbone[0]",
-        "backbone[1]",
-        "backbone[pool]",
-    ]
+    assert list(levels) == ["0", "1", "pool"]
+    assert result.layers == ["backbone[0]", "backbone[1]", "backbone[pool]"]
     maps = [gradcam(levels[key], gradients[key]) for key in levels]
     assert any(m.any() for m in maps)
     for key, expected in zip(result.layers, maps, strict=True):

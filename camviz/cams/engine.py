@@ -560,14 +560,21 @@ def _known_kind(
         kind = module_kind(model.get_submodule(spot.name))
         if kind is not None:
             return kind
-    return _kind_cache.get(model, {}).get((name, batch.main.dim()))
+    cached, rank = _kind_cache.get(model, {}), batch.main.dim()
+    if (name, rank) in cached:
+        return cached[(name, rank)]
+    # A container spot (an FPN's levels): known once a pass told its maps' kind, if they agree.
+    prefix = name + "["
+    levels = {kind for (key, at), kind in cached.items() if at == rank and key.startswith(prefix)}
+    return levels.pop() if len(levels) == 1 else None
 
 
 def _kind(
     model: nn.Module, name: str, batch: Inputs, given: Mapping[str, Kind], recorded: LayerPass
 ) -> Kind | None:
     """The kind of a spot's tensor: as :func:`_known_kind`, else told from the recorded
-    pass (the module that produced the same tensor), and remembered."""
+    pass (the module that produced the same tensor, or for an element of a container that no
+    module produced, its siblings'), and remembered."""
     known = _known_kind(model, name, batch, given)
     if known is not None or recorded.calls is None:
         return known
@@ -577,6 +584,16 @@ def _kind(
     if end is None:
         return None
     kind = log.producer_kind(tuple(recorded.activations[name].shape), end)
+    if kind is None and spot.path:
+        # A level made by a function (an FPN's max-pooled 'pool'): read like the other
+        # maps of its container, when they agree.
+        parent = dataclasses.replace(spot, path=spot.path[:-1])
+        siblings = {
+            log.producer_kind(tuple(values.shape), end)
+            for key, values in recorded.activations.items()
+            if key != name and dataclasses.replace(parse(key), path=parse(key).path[:-1]) == parent
+        } - {None}
+        kind = siblings.pop() if len(siblings) == 1 else None
     if kind is not None:
         _kind_cache.setdefault(model, {})[(name, batch.main.dim())] = kind
     return kind

@@ -157,11 +157,6 @@ def element_key(key: str, item: int | str) -> str:
     return Spot(spot.name, spot.at, (*path, item)).key
 
 
-def is_container(value: Any) -> bool:
-    """Whether ``value`` is a tuple, list or dict (whose elements may be feature maps)."""
-    return isinstance(value, (tuple, list, Mapping))
-
-
 SpotFn = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -179,10 +174,10 @@ def edit_spots(
     """
     modules = dict(model.named_modules())
 
-    def tensor_at(key: str, value: Any, path: Path) -> torch.Tensor:
+    def value_at(key: str, value: Any, path: Path) -> Any:
         found = select(value, path, key)
-        if containers and is_container(found):
-            return found  # type: ignore[no-any-return]  # fn takes the container
+        if containers and isinstance(found, (tuple, list, Mapping)):
+            return found  # fn takes the container whole
         if not isinstance(found, torch.Tensor):
             raise CamvizError(
                 f"layer {key!r} gives a {type(found).__name__}, not a tensor; pick a layer that "
@@ -193,11 +188,11 @@ def edit_spots(
     def on_output(
         key: str, spot: Spot, fn: SpotFn, module: nn.Module, args: Any, output: Any
     ) -> Any:
-        return replace(output, spot.path, fn(tensor_at(key, output, spot.path)))
+        return replace(output, spot.path, fn(value_at(key, output, spot.path)))
 
     def on_input(key: str, spot: Spot, fn: SpotFn, module: nn.Module, args: tuple[Any, ...]) -> Any:
         path = spot.path or (0,)
-        return replace(args, path, fn(tensor_at(key, args, path)))
+        return replace(args, path, fn(value_at(key, args, path)))
 
     with HookSet() as hooks:
         for key, fn in edits.items():
