@@ -101,7 +101,9 @@ class Explanation:
         samples: ``(M,)`` index of the input each map belongs to.
         output: The model's output for the batch, detached.
         method: The method's registry name.
-        layers: The target layer spots (names; ``"name:input"`` for ``at="input"``).
+        layers: The target layer spots (names; ``"name:input"`` for ``at="input"``; a
+            layer whose output is a tuple, list or dict of feature maps appears as its
+            maps' element spots, e.g. ``["backbone[0]", "backbone[1]", "backbone[pool]"]``).
         weights: ``{layer: (M, C)}`` channel weights for the methods whose map is a weighted
             sum of channels (Grad-CAM, Grad-CAM++, XGrad-CAM, Score-CAM, SS-CAM,
             Ablation-CAM ...), from the plain pass; ``None`` for the others.
@@ -346,10 +348,13 @@ def explain(
         method: A registry name (:func:`camviz.cams.names`) or a method instance.
         layer: Target layer(s): names, wildcard patterns or submodules of the model,
             or a list of them; ``"name[0]"`` / ``"name[key]"`` takes one element of
-            a tuple, list or dict output (:mod:`camviz.core.taps`). ``None`` picks the last
-            layer with a spatial output, or for a vision transformer the norm before its
-            last attention (:func:`camviz.core.layers.default_target_layer`; found once per
-            model with a one-sample dry run).
+            a tuple, list or dict output (:mod:`camviz.core.taps`); a layer whose output is
+            a tuple, list or dict of feature maps (an FPN's levels) gives one map per level,
+            fused like several layers. ``None`` picks a torchvision detector's FPN (its
+            ``backbone``) or a segmentation model's last backbone stage, else the last layer
+            with a spatial output, or for a vision transformer the norm before its last
+            attention (:func:`camviz.core.layers.default_target_layer`; found once per model,
+            with a one-sample dry run unless the model's family decides).
         target: What to explain; see :mod:`camviz.core.targets` (class id, list of ids, ``None``
             for top-1, or the output itself when it is one number per sample, ``"top3"``,
             :class:`~camviz.core.targets.Region`, :class:`~camviz.core.targets.Contrast`,
