@@ -350,6 +350,48 @@ def test_segmentation_models_default_to_the_backbones_last_stage(name, untouched
     _explained_somewhere(result)
 
 
+class Normalised(nn.Module):
+    """A segmentation model with its preprocessing in front, as users wrap them."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.inner((x - 0.5) / 0.25)
+
+
+def test_a_wrapped_model_gets_its_familys_layer_inside_the_wrapper():
+    from torchvision.models import segmentation
+
+    model = Normalised(segmentation.lraspp_mobilenet_v3_large(weights=None, weights_backbone=None))
+    assert default_target_layer(model.eval(), torch.rand(1, 3, 32, 32)) == "inner.backbone.16"
+
+
+class TinyDetector(nn.Module):
+    """Not a torchvision class: a 4-D batch in, a list of per-image dicts out, as detectors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+        self.scores = nn.Conv2d(4, 1, 1)
+
+    def forward(self, images: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        return [{"scores": row} for row in self.scores(self.features(images)).flatten(1)]
+
+
+def test_the_generic_rule_runs_a_detector_on_the_first_image():
+    """The dry run hands the model a 4-D batch of one image and reads list-of-dict outputs;
+    the last spatial layer is the score map (a user-built detector names its layer)."""
+    model = TinyDetector().eval()
+    assert default_target_layer(model, torch.rand(3, 3, 8, 8)) == "scores"
+    result = camviz.explain(
+        model, torch.rand(3, 3, 8, 8), layer="features", target=top_scores, relu=False
+    )
+    _explained_somewhere(result)
+    assert result.heatmaps.shape == (3, 8, 8)
+
+
 class ZeroHead(nn.Module):
     """A 1x1 convolution with zero weights: the output depends on nothing it is given."""
 
@@ -441,3 +483,8 @@ def test_swin3d_defaults_to_its_final_norm():
 
 def test_classifiers_keep_the_last_spatial_layer(resnet18, small_batch):
     assert default_target_layer(resnet18, small_batch) == "layer4"
+
+
+def test_factorize_takes_one_map_not_a_dict_of_levels(pyramid_inputs):
+    with pytest.raises(CamvizError, match="factorize takes one feature map, but layer 'backbone'"):
+        camviz.factorize(TwoLevelNet().eval(), pyramid_inputs, layer="backbone", k=2)

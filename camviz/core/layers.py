@@ -137,15 +137,14 @@ def default_target_layer(model: nn.Module, inputs: torch.Tensor | Inputs) -> str
     Raises:
         CamvizError: No layer produces a spatial output.
     """
+    by_family = family_layer(model)  # no model call: also for inputs it takes otherwise
+    if by_family is not None:
+        return by_family
     batch = inputs if isinstance(inputs, Inputs) else as_inputs(inputs, model)
     rank = batch.main.dim() - 2
     per_model = _default_cache.setdefault(model, {})
     if rank in per_model:
         return per_model[rank]
-    by_family = family_layer(model)
-    if by_family is not None:
-        per_model[rank] = by_family
-        return by_family
     attention_inputs: list[int] = []  # how many calls had ended when each attention began
 
     def before_attention(module: nn.Module, args: object) -> None:
@@ -178,7 +177,8 @@ def default_target_layer(model: nn.Module, inputs: torch.Tensor | Inputs) -> str
 
 def family_layer(model: nn.Module) -> str | None:
     """The default layer of a torchvision detector or segmentation model, told from its
-    classes and structure (never from its name); ``None`` for other models.
+    classes and structure (never from its name); ``None`` for other models. A model that
+    wraps one (pre- or post-processing around it) gets the layer inside it.
 
     * Detectors (``GeneralizedRCNN``: Faster, Mask and Keypoint R-CNN; ``RetinaNet``;
       ``FCOS``; ``SSD`` and SSDlite): ``"backbone"``. Its output is the dict of feature
@@ -192,6 +192,15 @@ def family_layer(model: nn.Module) -> str | None:
       ``backbone.16`` of the MobileNetV3 ones), the richest map before the segmentation
       head; with another backbone, ``"backbone"`` (its maps, one per level).
     """
+    for name, module in model.named_modules():
+        layer = _own_family_layer(module)
+        if layer is not None:
+            return f"{name}.{layer}" if name else layer
+    return None
+
+
+def _own_family_layer(model: nn.Module) -> str | None:
+    """:func:`family_layer` for ``model`` itself (not its submodules)."""
     backbone = getattr(model, "backbone", None)
     if not isinstance(backbone, nn.Module):
         return None
