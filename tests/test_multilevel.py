@@ -325,8 +325,9 @@ def test_detectors_default_to_their_feature_levels(build, levels, untouched):
     inputs = torch.rand(1, 3, 64, 64)
     assert default_target_layer(model, inputs) == "backbone"
     with untouched(model):
-        result = camviz.explain(model, inputs, target=top_scores)
+        result = camviz.explain(model, inputs, target=camviz.Detection(0))
     assert result.layers == [f"backbone[{level}]" for level in levels]
+    assert result.boxes is not None and result.boxes.shape == (1, 4)
     _explained_somewhere(result)
 
 
