@@ -130,6 +130,7 @@ def test_levels_of_a_dict_or_list_output_equal_the_hand_formula(as_list, pyramid
         gradcam(saved[key].detach(), torch.zeros_like(saved[key]) if grad is None else grad)
         for key, grad in zip(saved, grads, strict=True)
     ]
+    assert maps[0].any() and maps[1].any()
     assert not maps[2].any()  # a level the head does not read: no gradient, a zero map
     for key, expected in zip(result.layers, maps, strict=True):
         torch.testing.assert_close(result.maps_by_layer[key], min_max(expected), atol=1e-5, rtol=0)
