@@ -23,6 +23,7 @@ from camviz.core.errors import CamvizError
 from camviz.core.inputs import Inputs, as_inputs
 from camviz.core.layerkinds import CallLog, record_calls
 from camviz.core.modelstate import HookSet, eval_mode
+from camviz.core.precision import Precision, model_precision
 
 _WILDCARDS = frozenset("*?[")
 
@@ -243,11 +244,19 @@ def _is_attention(module: nn.Module) -> bool:
     return isinstance(module, nn.MultiheadAttention) or name.endswith("Attention") or "Attn" in name
 
 
-def layer_shapes(model: nn.Module, inputs: torch.Tensor) -> list[tuple[str, str, tuple[int, ...]]]:
+def layer_shapes(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    *,
+    precision: Precision = "fp32",
+    channels_last: bool = False,
+) -> list[tuple[str, str, tuple[int, ...]]]:
     """``(name, type, output shape)`` of every layer, in call order, from one dry run.
 
     A layer called several times appears once per call. Outputs that are not tensors show
-    the shape ``()``. The model's train/eval flags are left as they were.
+    the shape ``()``. The model's train/eval flags are left as they were. ``precision`` and
+    ``channels_last`` run the dry run as :func:`camviz.explain` would (see
+    :mod:`camviz.core.precision`), so a model that fails under them fails here too.
     """
     rows: list[tuple[str, str, tuple[int, ...]]] = []
 
@@ -255,7 +264,12 @@ def layer_shapes(model: nn.Module, inputs: torch.Tensor) -> list[tuple[str, str,
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else ()
         rows.append((name, type(module).__name__, shape))
 
-    with HookSet() as hooks, torch.inference_mode(), eval_mode(model):
+    with (
+        model_precision(model, precision, channels_last),
+        HookSet() as hooks,
+        torch.inference_mode(),
+        eval_mode(model),
+    ):
         for name, module in model.named_modules():
             if name:
                 hooks.add(module.register_forward_hook(partial(record, name)))

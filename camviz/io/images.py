@@ -81,7 +81,7 @@ def load_image(path: PathLike, *, max_pixels: int | None = MAX_PIXELS) -> Image.
             if os.fstat(file.fileno()).st_size == 0:
                 raise CamvizError(f"{path} is empty (0 bytes); re-export or re-download it")
             image = _open(file, path)
-            _check_size(image, path, max_pixels)
+            check_size(image, path, max_pixels)
             return to_rgb(ImageOps.exif_transpose(image))
     except FileNotFoundError:
         raise CamvizError(f"image file not found: {path}; check the path") from None
@@ -109,7 +109,12 @@ def _open(file: IO[bytes], path: Path) -> Image.Image:
             ) from None
 
 
-def _check_size(image: Image.Image, path: Path, max_pixels: int | None) -> None:
+def check_size(image: Image.Image, path: Path, max_pixels: int | None) -> None:
+    """Refuse an image larger than ``max_pixels`` (from its header: nothing is decoded).
+
+    Raises:
+        CamvizError: The image has more pixels than ``max_pixels``.
+    """
     width, height = image.size
     if max_pixels is not None and width * height > max_pixels:
         raise CamvizError(
@@ -242,21 +247,35 @@ class Preprocess:
         step = self.multiple_of
         return max(step, math.floor(length / step + 0.5) * step)
 
-    def __call__(self, image: Image.Image) -> torch.Tensor:
-        """The normalised ``(3, H, W)`` float32 tensor for ``image`` (any mode)."""
-        if not isinstance(image, Image.Image):
+    def __call__(self, image: Image.Image | torch.Tensor) -> torch.Tensor:
+        """The normalised ``(3, H, W)`` float32 tensor for ``image``: a PIL image (any mode),
+        or ``(3, H, W)`` uint8 RGB pixels on any device (JPEGs decoded on a GPU), resized
+        there with torch's antialiased resize, within a level of Pillow's."""
+        if isinstance(image, torch.Tensor):
+            if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[0] != 3:
+                raise CamvizError(
+                    f"Preprocess takes (3, H, W) uint8 RGB pixels, not a {image.dtype} tensor "
+                    f"of shape {tuple(image.shape)}"
+                )
+            pixels: Image.Image | torch.Tensor = image
+            height, width = image.shape[1:]
+        elif isinstance(image, Image.Image):
+            pixels = image if image.mode == "RGB" else to_rgb(image)
+            width, height = pixels.size
+        else:
             raise CamvizError(
                 f"Preprocess takes a PIL image, not {type(image).__name__}; read files with "
                 "camviz.images.load_image"
             )
-        rgb = image if image.mode == "RGB" else to_rgb(image)
         resized = TF.resize(
-            rgb,
-            list(self.output_size(*rgb.size)),
+            pixels,
+            list(self.output_size(width, height)),
             interpolation=_INTERPOLATIONS[self.interpolation],
             antialias=True,
         )
-        scaled = TF.to_dtype(TF.pil_to_tensor(resized), torch.float32, scale=True)
+        if isinstance(resized, Image.Image):
+            resized = TF.pil_to_tensor(resized)
+        scaled = TF.to_dtype(resized, torch.float32, scale=True)
         return TF.normalize(scaled, list(self.mean), list(self.std))
 
 

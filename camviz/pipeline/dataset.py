@@ -11,6 +11,9 @@ fullest bucket goes early, so memory stays bounded. Each heatmap covers exactly 
 
 **Unreadable inputs** (a corrupt file, a text file named ``.jpg``, a missing frame) do not
 stop the run: they come out as results with ``status == "error"`` and the reason.
+
+**JPEGs on a GPU.** With the model on CUDA, workers read JPEG files as bytes and each
+batch of them is decoded, resized and normalised on the GPU (:mod:`camviz.pipeline.decoding`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from camviz.core.targets import Target, as_logits, class_name
 from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
 from camviz.io.models import LoadedModel
 from camviz.io.video import FrameReader
+from camviz.pipeline.decoding import decode, decoder, device_decodes, encoded_jpeg
 from camviz.pipeline.inputs import Item, expand, not_a_regular_file
 
 #: How many predictions each result keeps, best first.
@@ -128,6 +132,16 @@ class ItemDataset(Dataset):
             return self._frames.read(item.path, item.frame)
         return load_image(item.path, max_pixels=self.max_pixels)
 
+    def encoded(self, index: int) -> torch.Tensor | None:
+        """The bytes of item ``index`` if it is a JPEG to decode on the device, else
+        ``None`` (read it with ``dataset[index]``); see :mod:`camviz.pipeline.decoding`."""
+        item = self.items[index]
+        if item.frame is not None or item.reason or not_a_regular_file(item.path):
+            return None
+        if decoder(item.path, on_device=True) != "device":
+            return None
+        return encoded_jpeg(item.path, self.max_pixels)
+
     def close(self) -> None:
         """Release the videos this process has open."""
         self._frames.close()
@@ -143,6 +157,7 @@ class _Sample:
     size: tuple[int, int] | None = None  # the original's (width, height)
     reason: str | None = None
     seconds: float = 0.0
+    encoded: torch.Tensor | None = None  # JPEG bytes, decoded on the device by _decoded
 
     def pin_memory(self) -> _Sample:
         """Page-locked inputs, so that the copy to a GPU does not block (the DataLoader's
@@ -160,15 +175,30 @@ class _Prepared(Dataset):
         dataset: Dataset,
         preprocess: Callable[[Image.Image], torch.Tensor],
         keep_images: bool,
+        jpegs_on_device: bool = False,
     ) -> None:
         self.dataset = dataset
         self.preprocess = preprocess
         self.keep_images = keep_images
+        self.jpegs_on_device = jpegs_on_device and isinstance(dataset, ItemDataset)
 
     def __len__(self) -> int:
         return len(cast(Sized, self.dataset))
 
     def __getitem__(self, index: int) -> _Sample:
+        """Item ``index`` preprocessed, or only read (``encoded``) for the device to decode."""
+        if self.jpegs_on_device:
+            started = time.perf_counter()
+            try:
+                encoded = cast(ItemDataset, self.dataset).encoded(index)
+            except (CamvizError, OSError):
+                encoded = None  # read it with Pillow, which says what is wrong
+            if encoded is not None:
+                return _Sample(index, encoded=encoded, seconds=time.perf_counter() - started)
+        return self.read(index)
+
+    def read(self, index: int) -> _Sample:
+        """Item ``index`` decoded on the CPU and preprocessed."""
         started = time.perf_counter()
         try:
             data = self.dataset[index]
@@ -277,7 +307,7 @@ def explain_dataset(
     order = list(range(len(cast(Sized, data)))) if indices is None else list(indices)
     explainer = _BatchExplainer(network, categories, method, layer, target, options)
     loader = DataLoader(
-        _Prepared(data, preprocess, keep_images),
+        _Prepared(data, preprocess, keep_images, device_decodes(explainer.device, preprocess)),
         batch_size=batch_size,
         sampler=order,
         num_workers=workers,
@@ -307,7 +337,8 @@ def _explained(
         smoothing=0.1,
     )
     try:
-        for samples in batches:
+        for read in batches:
+            samples = _decoded(read, cast(_Prepared, loader.dataset), explainer.device)
             for sample in samples:
                 if sample.reason is not None:
                     bar.update(1)
@@ -326,6 +357,33 @@ def _explained(
         prepared = loader.dataset
         if isinstance(prepared, _Prepared) and isinstance(prepared.dataset, ItemDataset):
             prepared.dataset.close()
+
+
+def _decoded(samples: list[_Sample], prepared: _Prepared, device: torch.device) -> list[_Sample]:
+    """``samples`` with the JPEGs the workers only read decoded on ``device``, all in one
+    call, and preprocessed there; one the decoder refuses is read with Pillow instead."""
+    waiting = [position for position, sample in enumerate(samples) if sample.encoded is not None]
+    if not waiting:
+        return samples
+    started = time.perf_counter()
+    decoded = decode([cast(torch.Tensor, samples[p].encoded) for p in waiting], device)
+    share = (time.perf_counter() - started) / len(waiting)
+    samples = list(samples)
+    for position, pixels in zip(waiting, decoded, strict=True):
+        index, seconds = samples[position].index, samples[position].seconds
+        if pixels is None:
+            samples[position] = prepared.read(index)
+            continue
+        started = time.perf_counter()
+        samples[position] = _Sample(
+            index,
+            inputs=prepared.preprocess(pixels),  # type: ignore[arg-type]  # a Preprocess
+            # The original comes to the CPU once: results carry it as a PIL image.
+            original=pixels.permute(1, 2, 0).cpu() if prepared.keep_images else None,
+            size=(pixels.shape[2], pixels.shape[1]),
+            seconds=seconds + share + time.perf_counter() - started,
+        )
+    return samples
 
 
 class _Buckets:

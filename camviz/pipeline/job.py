@@ -294,6 +294,7 @@ class _Job:
         self.explained = 0
         # Pixel-level saliency is drawn clipped: a few pixels hold the maximum.
         self.clip = SALIENCY_PERCENTILE if get_method(settings["method"]).pixel_level else None
+        self.device = drawing_device(model_device(loaded.model))
 
     def run(self, indices: list[int], *, writers: int, **options: Any) -> None:
         from camviz.pipeline.writer import Writer
@@ -379,7 +380,7 @@ class _Job:
         if self.outputs.overlay:
             assert image is not None
             files["overlay"] = f"{stem}_overlay.png"
-            drawn = overlay(image, heatmap, alpha, colormap, clip=self.clip)
+            drawn = overlay(image, heatmap, alpha, colormap, clip=self.clip, device=self.device)
             _save_png(drawn, self.out / files["overlay"])
         if self.outputs.panel and item.frame is None:
             assert image is not None
@@ -392,7 +393,13 @@ class _Job:
             layers = ", ".join(result.layers)
             title = f"{prediction.name}: {shown} ({result.method}, layer {layers})"
             drawn = panel_image(
-                image, heatmap, title=title, alpha=alpha, colormap=colormap, clip=self.clip
+                image,
+                heatmap,
+                title=title,
+                alpha=alpha,
+                colormap=colormap,
+                clip=self.clip,
+                device=self.device,
             )
             with atomic_write(self.out / files["panel"]) as file:
                 drawn.save(file, format="JPEG", quality=_PANEL_QUALITY)
@@ -401,6 +408,13 @@ class _Job:
             files["heatmap"] = f"{stem}_heatmap{suffix}"
             save_heatmap(heatmap, self.out / files["heatmap"])
         return files
+
+
+def drawing_device(device: torch.device | None) -> torch.device | None:
+    """Where overlays and panels are computed for a model on ``device``: on a CUDA GPU, the
+    GPU itself (:mod:`camviz.io.render`); else the CPU (``None``), also for other
+    accelerators, which lack some of the operations (MPS has no ``kthvalue``)."""
+    return device if device is not None and device.type == "cuda" else None
 
 
 def save_heatmap(heatmap: torch.Tensor, path: PathLike) -> Path:
