@@ -935,10 +935,11 @@ _DETECTION_COLUMNS = 4
 
 
 def draw_box(image: Image.Image, box: Sequence[float], label: str = "") -> Image.Image:
-    """``image`` with a box drawn on it and, above its top-left corner, its label.
+    """``image`` with a box drawn on it and, at its top-left corner, its label.
 
     The box is a :data:`BOX_COLOUR` line from the box's edge inwards, framed in black (so
-    it shows on any colour); the label is black on that colour, inside the picture.
+    it shows on any colour); the label is black on that colour, above the box (below it, or
+    inside its top, where the picture has no room), never beyond the picture's edges.
 
     Args:
         image: The picture (an overlay at the photo's size); drawn on in place.
@@ -957,11 +958,14 @@ def draw_box(image: Image.Image, box: Sequence[float], label: str = "") -> Image
             draw.rectangle((x0 + inset, y0 + inset, x1 - inset, y1 - inset), outline=colour)
     outer = _BOX_FRAME
     if label:
-        font = ImageFont.load_default(_CAPTION_SIZE)
+        # Readable on a large photo too: about a 30th of its shorter side.
+        font = ImageFont.load_default(max(_CAPTION_SIZE, min(image.size) // 30))
         left, top, right, bottom = draw.textbbox((0, 0), label, font=font)
         width, height = right - left + 4, bottom - top + 4
         x = min(max(0, x0 - outer), max(0, image.width - width))
-        y = y0 - outer - height if y0 - outer - height >= 0 else y0 + outer
+        # Above the box; below it where there is no room; inside its top as a last resort.
+        above, below = y0 - outer - height, y1 + outer + 1
+        y = above if above >= 0 else below if below + height < image.height else y0 + outer
         draw.rectangle((x, y, x + width, y + height), fill=BOX_COLOUR)
         draw.text((x + 2 - left, y + 2 - top), label, fill="black", font=font)
     return image
