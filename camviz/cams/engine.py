@@ -42,6 +42,7 @@ from torch import nn
 from camviz.cams.base import CamMethod, ChannelWeighted, LayerData
 from camviz.cams.layout import Layout, as_spatial, layout_kind, layout_of, patch_size
 from camviz.cams.registry import create
+from camviz.core.detection import Detection, DetectionScore, Followed
 from camviz.core.errors import CamvizError, NonFiniteError
 from camviz.core.finite import first_nonfinite_layer, is_finite
 from camviz.core.hooks import detach_to
@@ -99,6 +100,9 @@ class Explanation:
         maps_by_input: For input-gradient methods (vanilla gradients, Guided Backprop),
             ``{input position or name: (M, *spatial)}`` for every input with spatial axes,
             processed as ``heatmaps``; ``None`` for the others.
+        boxes: For a :class:`~camviz.core.detection.Detection` target, ``(M, 4)`` the box
+            of each explained detection (``x0, y0, x1, y1`` in the input's pixels);
+            ``None`` for other targets.
     """
 
     heatmaps: torch.Tensor
@@ -112,6 +116,7 @@ class Explanation:
     layers: list[str]
     weights: dict[str, torch.Tensor] | None = None
     maps_by_input: dict[Key, torch.Tensor] | None = None
+    boxes: torch.Tensor | None = None
 
 
 @dataclass
@@ -429,7 +434,9 @@ def explain(
             # Augmented passes explain the classes chosen here, even if augmentation flips them.
             chosen = recorded.class_ids
             fixed: Target = chosen
-            if chosen is None:
+            if isinstance(target, Detection):  # objects are followed by box, not by class
+                fixed = Followed(tuple(_detection_scores(recorded.score_fns)))
+            elif chosen is None:
                 fixed = target
             elif isinstance(target, Contrast):
                 fixed = dataclasses.replace(target, a=chosen[:, 0])
@@ -466,7 +473,20 @@ def explain(
             if by_input is None
             else {key: _finish(maps, relu, normalize) for key, maps in by_input.items()}
         ),
+        boxes=(
+            torch.stack([fn.boxes for fn in _detection_scores(recorded.score_fns)], dim=1)
+            .reshape(-1, 4)
+            .cpu()
+            if isinstance(target, Detection)
+            else None
+        ),
     )
+
+
+def _detection_scores(fns: Sequence[ScoreFn]) -> list[DetectionScore]:
+    """The score functions of a :class:`Detection` target (one per object)."""
+    assert all(isinstance(fn, DetectionScore) for fn in fns)  # what Detection.resolve gives
+    return [fn for fn in fns if isinstance(fn, DetectionScore)]
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
@@ -795,12 +815,16 @@ def _aug_smoothed(
             )
         if flip:
             augmented = augmented.flip(-1)
+        variant_target = target
+        if isinstance(target, Followed):  # boxes move with the image
+            factors = [new / old for new, old in zip(augmented.shape[2:], size, strict=True)]
+            variant_target = target.moved(factors, augmented.shape[-1] if flip else None)
         try:
             recorded = layer_pass(
                 model,
                 batch.with_main(augmented),
                 layers,
-                target,
+                variant_target,
                 gradients=cam.uses_gradients,
                 output_key=output_key,
                 hessian=cam.uses_hessian,
