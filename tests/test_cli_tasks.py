@@ -111,7 +111,8 @@ def detector(tmp_path_factory, make_photos):
     return str(path), photo
 
 
-DETECTOR_OPTIONS = ["--input-size", "64", "--layer", "backbone.body.16", "--workers", "0"]
+LAYER = "backbone.body.13"  # Grad-CAM there is not all zero for this random detector
+DETECTOR_OPTIONS = ["--input-size", "64", "--layer", LAYER, "--workers", "0"]
 
 
 def test_detection_writes_an_overlay_per_object_with_its_box_a_panel_and_rows(
@@ -139,7 +140,11 @@ def test_detection_writes_an_overlay_per_object_with_its_box_a_panel_and_rows(
     boxes = torch.tensor([entry["box"] for entry in objects])
     assert torch.allclose(boxes, found["boxes"][:3], atol=0.006)  # rounded to 2 decimals
 
-    for entry in objects:
+    inputs = loaded.preprocess(image).unsqueeze(0)
+    reference = camviz.explain(loaded.model, inputs, "gradcam", LAYER, camviz.Detection([0, 1, 2]))
+    for rank, entry in enumerate(objects):
+        heatmap = np.load(out / entry["files"]["heatmap"])["heatmap"]
+        assert np.abs(heatmap - reference.heatmaps[rank].numpy()).max() < 1e-5
         _check_box_drawn(out, entry, image)
     assert row["files"][-1] == "street_panel.jpg"
     with Image.open(out / "street_panel.jpg") as panel:
