@@ -473,8 +473,8 @@ class _BatchExplainer:
         return results
 
     def _explain(self, batch: torch.Tensor, group: Group) -> Any:
-        """The explanation of one group's samples; ``None`` for a group without a target."""
-        if group.target is None:
+        """The explanation of one group's samples; ``None`` for one with nothing to explain."""
+        if group.reason is not None:
             return None
         inputs = batch if len(group.positions) == len(batch) else batch[group.positions]
         return explain(self.network, inputs, self.method, self.layer, group.target, **self.options)

@@ -15,8 +15,7 @@ then decide what to explain, sample by sample (:func:`plan`):
 * **video**: like a classifier, on ``(N, 3, T, H, W)`` clips.
 
 A sample with nothing to explain (no pixel of the class, no object above ``min_score``) is
-no failure: it gets a :class:`Group` without a target, whose ``reason`` the manifest row
-shows.
+no failure: it gets a :class:`Group` with a ``reason``, which the manifest row shows.
 """
 
 from __future__ import annotations
@@ -68,8 +67,8 @@ class Group:
 
     Attributes:
         positions: The samples' positions in the batch.
-        target: What to explain; ``None`` when there is nothing to (see ``reason``).
-        reason: Why nothing is explained, for a group without a target.
+        target: What to explain (``None`` is a classifier's top class, as everywhere).
+        reason: Why there is nothing to explain; ``None`` when there is something.
         boxes: Detection: the ``(x0, y0, x1, y1)`` box of each explained object, in order.
     """
 
