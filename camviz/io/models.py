@@ -263,7 +263,7 @@ def with_input_size(loaded: LoadedModel, size: int) -> LoadedModel:
         return dataclasses.replace(
             loaded, preprocess=dataclasses.replace(loaded.preprocess, size=size)
         )
-    transform = loaded.model.transform
+    transform: Any = loaded.model.transform  # torchvision's GeneralizedRCNNTransform
     ratio = transform.max_size / transform.min_size[0]
     transform.min_size, transform.max_size = (size,), max(size, round(size * ratio))
     if transform.fixed_size is not None:

@@ -194,8 +194,9 @@ def lower_score_threshold(model: torch.nn.Module, min_score: float) -> None:
     SSDlite); a lower ``min_score`` would otherwise silently miss objects.
     """
     owner = getattr(model, "roi_heads", model)  # R-CNNs keep it in their ROI heads
-    if isinstance(getattr(owner, "score_thresh", None), float):
-        owner.score_thresh = min(owner.score_thresh, min_score)
+    threshold = getattr(owner, "score_thresh", None)
+    if isinstance(threshold, float):
+        owner.score_thresh = min(threshold, min_score)
 
 
 def clip_spec(
