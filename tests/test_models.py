@@ -395,13 +395,11 @@ def test_unknown_timm_name_suggests_timm_names():
 def test_available_lists_the_offline_model_and_every_torchvision_model():
     names = models.available()
 
-    tasks = (torchvision.models, *(getattr(torchvision.models, task) for task in TASKS))
+    modules = ("segmentation", "detection", "video")
+    tasks = (torchvision.models, *(getattr(torchvision.models, task) for task in modules))
     every = [name for module in tasks for name in torchvision.models.list_models(module=module)]
     assert names[0] == "efficientnet_lite0"
     assert sorted(names[1:]) == sorted(every)
-
-
-TASKS = ("segmentation", "detection", "video")
 
 
 def test_importing_models_does_not_import_torchvision_or_timm():
