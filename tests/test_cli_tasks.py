@@ -206,6 +206,9 @@ def test_video_model_writes_an_overlay_video_and_a_row_per_clip(video, tmp_path,
 
     rows = manifest_rows(out)
     assert [row["frame"] for row in rows] == [0, 6, 12]  # clips of 8 frames, every 6th frame
+    whole = cv2.VideoCapture(str(out / "clip_overlay.mp4"))
+    assert whole.get(cv2.CAP_PROP_FRAME_COUNT) == 6 + 6 + 8  # frames 0..19, each once
+    whole.release()
     loaded = _loaded(VIDEO_MODEL, weights, 24)
     capture = cv2.VideoCapture(str(path))
     frames = []

@@ -16,7 +16,8 @@ their sub-folders, see :mod:`camviz.pipeline.inputs`):
   the heatmap), no panel; and ``clip_overlay.mp4``, made of those overlays;
 * for a **video model**, per clip (named after its first frame)
   ``clip_frames/000016_overlay.mp4``, its ``T`` frames at the video's size with the
-  spatio-temporal map over each (the heatmap ``.npz`` holds the ``(T, H, W)`` map);
+  spatio-temporal map over each (the heatmap ``.npz`` holds the ``(T, H, W)`` map), and
+  ``clip_overlay.mp4``: each clip's frames up to where the next clip starts;
 * for a **detector**, per explained object ``NAME_overlay.png`` (``NAME_rankR_overlay.png``
   for several), its map with its box and label drawn, and one ``NAME_panel.jpg`` with the
   photo and every box, then each object's overlay; for a **segmentation model**, the files
@@ -72,7 +73,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -98,7 +99,7 @@ from camviz.io.render import (
     overlay,
     panel_image,
 )
-from camviz.io.video import frame_rate, write_video
+from camviz.io.video import FrameReader, frame_count, frame_rate, write_video
 from camviz.pipeline import distributed, lock, manifest
 from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
 from camviz.pipeline.inputs import NAME_MAX, Item, expand
@@ -656,7 +657,8 @@ def _finish(
     previous = _read_manifest(out) or {}
     rows, others = manifest.merge(out, [item.key for item in items])
     explained = [row for row in rows if row["status"] == "ok"]
-    videos = _write_videos(out, items, rows, every) if settings["overlay"] else []
+    stride = settings.get("stride")
+    videos = _write_videos(out, items, rows, every, stride) if settings["overlay"] else []
     current = {name for row in explained for name in row["files"]}
     current.update(video["file"] for video in videos)
     earlier = [name for row in others for name in row.get("files", [])]
@@ -693,28 +695,46 @@ def _finish(
 
 
 def _write_videos(
-    out: Path, items: list[Item], rows: list[dict[str, Any]], every: int
+    out: Path, items: list[Item], rows: list[dict[str, Any]], every: int, stride: int | None
 ) -> list[dict[str, Any]]:
-    """One overlay video per input video, from its explained frames' overlays, in order."""
+    """One overlay video per input video, in order: from its explained frames' overlays or,
+    for a video model (``stride`` given), from its clips' overlay videos, each clip up to
+    where the next one starts, so that every frame shows once."""
     by_key = {manifest.row_key(row): row for row in rows}
     frames: dict[str, tuple[str, list[str]]] = {}  # video name -> (path, overlay files)
     for item in items:
         row = by_key.get(item.key)
-        if item.video is None or item.clip_len is not None or row is None or not row["explained"]:
-            continue  # clips have their own overlay videos
+        if item.video is None or row is None or not row["explained"]:
+            continue
         frames.setdefault(item.video, (item.path, []))[1].append(
             row["explained"][0]["files"]["overlay"]
         )
     videos = []
     for name, (path, overlays) in frames.items():
         video = f"{name}_overlay{VIDEO_SUFFIX}"
-        count = write_video(
-            (out / overlay_file for overlay_file in overlays),
-            out / video,
-            frame_rate(path) / every,
-        )
-        videos.append({"input": path, "frames": count, "every": every, "file": video})
+        if stride is None:
+            pictures: Iterable[Path | Image.Image] = (out / file for file in overlays)
+            fps = frame_rate(path) / every
+        else:
+            pictures, fps = _clip_frames(out, overlays, stride), frame_rate(path)
+        count = write_video(pictures, out / video, fps)
+        entry = {"input": path, "frames": count, "every": every, "file": video}
+        videos.append(entry if stride is None else {**entry, "every": 1, "stride": stride})
     return videos
+
+
+def _clip_frames(out: Path, overlays: list[str], stride: int) -> Iterator[Image.Image]:
+    """The frames of consecutive clips' overlay videos: each clip's first ``stride`` (all of
+    the last one's)."""
+    reader = FrameReader()
+    try:
+        for number, name in enumerate(overlays):
+            count = frame_count(out / name)
+            shown = count if number == len(overlays) - 1 else min(stride, count)
+            for index in range(shown):
+                yield reader.read(str(out / name), index)
+    finally:
+        reader.close()
 
 
 def check_out_dir(out: Path) -> None:
