@@ -201,13 +201,14 @@ def test_video_model_writes_an_overlay_video_and_a_row_per_clip(video, tmp_path,
     path, weights = video
     out = tmp_path / "out"
     options = ["--model", VIDEO_MODEL, "--weights", weights, "--input-size", "24"]
-    options += ["--clip-len", "8", "--stride", "6", "--heatmap", "npz", "--workers", "0"]
+    options += ["--clip-len", "8", "--stride", "8", "--heatmap", "npz", "--workers", "0"]
     assert main(["explain", str(path), "--out", str(out), "--quiet", *options]) == 0
 
     rows = manifest_rows(out)
-    assert [row["frame"] for row in rows] == [0, 6, 12]  # clips of 8 frames, every 6th frame
+    # Clips of 8 frames every 8th frame, and one ending with the 20-frame video.
+    assert [row["frame"] for row in rows] == [0, 8, 12]
     whole = cv2.VideoCapture(str(out / "clip_overlay.mp4"))
-    assert whole.get(cv2.CAP_PROP_FRAME_COUNT) == 6 + 6 + 8  # frames 0..19, each once
+    assert whole.get(cv2.CAP_PROP_FRAME_COUNT) == 8 + 4 + 8  # frames 0..19, each once
     whole.release()
     loaded = _loaded(VIDEO_MODEL, weights, 24)
     capture = cv2.VideoCapture(str(path))
@@ -217,7 +218,7 @@ def test_video_model_writes_an_overlay_video_and_a_row_per_clip(video, tmp_path,
     capture.release()
     clips = [
         torch.stack([loaded.preprocess(frame) for frame in frames[start : start + 8]], dim=1)
-        for start in (0, 6, 12)
+        for start in (0, 8, 12)
     ]
     reference = camviz.explain(loaded.model, torch.stack(clips), "gradcam")
     for number, row in enumerate(rows):

@@ -10,7 +10,8 @@ An *input* is one of:
   own folder; blank lines and lines starting with ``#`` are ignored;
 * a video (``.mp4``, ``.avi``, ``.mov``, ``.mkv``, ``.webm``, ...): every frame, or every
   n-th, becomes its own item; for a video model, every clip of ``clip_len`` frames, one
-  starting every ``stride`` frames, becomes one (named after its first frame).
+  starting every ``stride`` frames (and one ending with the video), becomes one (named
+  after its first frame).
 
 Inputs that cannot be expanded (a missing file, a pattern that matches nothing, a video
 OpenCV cannot open, anything that is not a regular file: a FIFO, a socket, a device, or a
@@ -175,7 +176,8 @@ def expand(
 
 
 def _clips(file: _File, name: str, clip_len: int, stride: int) -> list[Item]:
-    """The clips of a video: ``clip_len`` frames from every ``stride``-th frame on."""
+    """The clips of a video: ``clip_len`` frames from every ``stride``-th frame on, and one
+    ending with the video's last frame when those leave frames at its end."""
     assert file.frames is not None  # a video
     count = file.frames.stop
     if count < clip_len:
@@ -184,6 +186,9 @@ def _clips(file: _File, name: str, clip_len: int, stride: int) -> list[Item]:
             "smaller --clip-len"
         )
         return [Item(path=file.path, name=name, reason=reason)]
+    starts = list(range(0, count - clip_len + 1, stride))
+    if starts[-1] + clip_len < count:  # one more clip, ending with the video, covers its end
+        starts.append(count - clip_len)
     return [
         Item(
             path=file.path,
@@ -192,7 +197,7 @@ def _clips(file: _File, name: str, clip_len: int, stride: int) -> list[Item]:
             video=name,
             clip_len=clip_len,
         )
-        for start in range(0, count - clip_len + 1, stride)
+        for start in starts
     ]
 
 

@@ -701,37 +701,37 @@ def _write_videos(
     for a video model (``stride`` given), from its clips' overlay videos, each clip up to
     where the next one starts, so that every frame shows once."""
     by_key = {manifest.row_key(row): row for row in rows}
-    frames: dict[str, tuple[str, list[str]]] = {}  # video name -> (path, overlay files)
+    # video name -> (path, [(overlay file, frame or clip start)])
+    frames: dict[str, tuple[str, list[tuple[str, int]]]] = {}
     for item in items:
         row = by_key.get(item.key)
-        if item.video is None or row is None or not row["explained"]:
+        if item.video is None or item.frame is None or row is None or not row["explained"]:
             continue
-        frames.setdefault(item.video, (item.path, []))[1].append(
-            row["explained"][0]["files"]["overlay"]
-        )
+        overlay_file = row["explained"][0]["files"]["overlay"]
+        frames.setdefault(item.video, (item.path, []))[1].append((overlay_file, item.frame))
     videos = []
     for name, (path, overlays) in frames.items():
         video = f"{name}_overlay{VIDEO_SUFFIX}"
         if stride is None:
-            pictures: Iterable[Path | Image.Image] = (out / file for file in overlays)
+            pictures: Iterable[Path | Image.Image] = (out / file for file, _ in overlays)
             fps = frame_rate(path) / every
         else:
-            pictures, fps = _clip_frames(out, overlays, stride), frame_rate(path)
+            pictures, fps = _clip_frames(out, overlays), frame_rate(path)
         count = write_video(pictures, out / video, fps)
         entry = {"input": path, "frames": count, "every": every, "file": video}
         videos.append(entry if stride is None else {**entry, "every": 1, "stride": stride})
     return videos
 
 
-def _clip_frames(out: Path, overlays: list[str], stride: int) -> Iterator[Image.Image]:
-    """The frames of consecutive clips' overlay videos: each clip's first ``stride`` (all of
-    the last one's)."""
+def _clip_frames(out: Path, clips: list[tuple[str, int]]) -> Iterator[Image.Image]:
+    """The frames of consecutive clips' overlay videos (file, first frame), each clip's up to
+    where the next one starts (all of the last one's)."""
     reader = FrameReader()
     try:
-        for number, name in enumerate(overlays):
+        for number, (name, start) in enumerate(clips):
             count = frame_count(out / name)
-            shown = count if number == len(overlays) - 1 else min(stride, count)
-            for index in range(shown):
+            following = clips[number + 1][1] if number + 1 < len(clips) else start + count
+            for index in range(min(count, following - start)):
                 yield reader.read(str(out / name), index)
     finally:
         reader.close()
