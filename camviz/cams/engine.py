@@ -46,18 +46,21 @@ from camviz.core.detection import Detection, DetectionScore, Followed
 from camviz.core.errors import CamvizError, NonFiniteError
 from camviz.core.finite import first_nonfinite_layer, is_finite
 from camviz.core.hooks import detach_to
-from camviz.core.inputs import Inputs, Key, as_inputs
+from camviz.core.inputs import Inputs, Key, as_inputs, corner
 from camviz.core.layerkinds import CallLog, Kind, module_kind, record_calls
 from camviz.core.layers import Layer, default_target_layer
 from camviz.core.maps import normalize as normalize_maps
 from camviz.core.maps import normalize_signed, upsample
 from camviz.core.modelstate import eval_mode, exclusive, uncompiled
+from camviz.core.placement import Placement, recording
 from camviz.core.precision import Precision, at_least_fp32, check_precision, forward_precision
 from camviz.core.similarity import Similarity
 from camviz.core.taps import At, edit_spots, parse, spot_keys
 from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 
 Fuse = Literal["mean", "max", "product"]
+# Maps on the input: an (M, *spatial) tensor, or one (h_n, w_n) map each for a list of images.
+Maps = torch.Tensor | list[torch.Tensor]
 
 # as_spatial is re-exported: methods that run their own layer passes use it.
 __all__ = ["Explanation", "LayerPass", "as_spatial", "explain", "layer_data", "layer_pass"]
@@ -83,10 +86,14 @@ class Explanation:
             ``relu=False`` they keep their sign (normalised: divided by their largest
             absolute value); with ``normalize=False`` they are in the method's own units,
             and with several layers they hold the first layer's map (raw maps of different
-            layers are not fused; see ``maps_by_layer``).
+            layers are not fused; see ``maps_by_layer``). For a list of images given to a
+            detector, a list of ``M`` maps ``(h_n, w_n)``, each at its own image's size and
+            normalised over it (``heatmaps[m]`` is the map of image ``samples[m]``). A
+            detector's maps are laid back on each image through its own resize and padding
+            (:mod:`camviz.core.placement`).
         layer_maps: ``(M, *grid)`` maps of the (first) target layer at its own resolution
-            (at the input's for methods with ``input_resolution``), processed as
-            ``heatmaps``.
+            (at the input's for methods with ``input_resolution``; a detector's grid covers
+            its own resized and padded batch), processed as ``heatmaps``.
         maps_by_layer: ``{layer: (M, *grid)}`` for every target layer.
         targets: ``(M,)`` explained class ids (``-1`` when the target was a callable).
         scores: ``(M,)`` explained scores (logits) from the forward pass.
@@ -99,13 +106,14 @@ class Explanation:
             Ablation-CAM ...), from the plain pass; ``None`` for the others.
         maps_by_input: For input-gradient methods (vanilla gradients, Guided Backprop),
             ``{input position or name: (M, *spatial)}`` for every input with spatial axes,
-            processed as ``heatmaps``; ``None`` for the others.
+            processed as ``heatmaps`` (a list of maps for a list of images); ``None`` for the
+            others.
         boxes: For a :class:`~camviz.core.detection.Detection` target, ``(M, 4)`` the box
             of each explained detection (``x0, y0, x1, y1`` in the input's pixels);
             ``None`` for other targets.
     """
 
-    heatmaps: torch.Tensor
+    heatmaps: Maps
     layer_maps: torch.Tensor
     maps_by_layer: dict[str, torch.Tensor]
     targets: torch.Tensor
@@ -115,7 +123,7 @@ class Explanation:
     method: str
     layers: list[str]
     weights: dict[str, torch.Tensor] | None = None
-    maps_by_input: dict[Key, torch.Tensor] | None = None
+    maps_by_input: dict[Key, Maps] | None = None
     boxes: torch.Tensor | None = None
 
 
@@ -134,6 +142,8 @@ class LayerPass:
         score_fns: One function per rank from a model output to ``(N,)`` scores.
         class_ids: ``(N, K)`` explained classes, or ``None`` for a callable target.
         calls: Every module call of the pass, when asked for (to tell layouts).
+        placement: Where the layers' grids lie on the map input
+            (:mod:`camviz.core.placement`).
     """
 
     output: Any
@@ -143,6 +153,7 @@ class LayerPass:
     score_fns: list[ScoreFn]
     class_ids: torch.Tensor | None
     hessian_products: dict[str, list[torch.Tensor]]
+    placement: Placement
     calls: CallLog | None = None
 
 
@@ -207,7 +218,7 @@ def _layer_pass(
 ) -> LayerPass:
     taps = {name: _Tap(name, gradients) for name in layers}
     log = None
-    with edit_spots(model, taps), torch.no_grad():
+    with edit_spots(model, taps), recording(model) as placed, torch.no_grad():
         if record:
             with record_calls(model) as log:
                 output = batch(model)
@@ -263,6 +274,7 @@ def _layer_pass(
         score_fns=fns,
         class_ids=ids,
         hessian_products=products,
+        placement=placed.placement(batch.main.shape[2:], batch.image_sizes, batch.size),
         calls=log,
     )
 
@@ -313,7 +325,8 @@ def explain(
         inputs: The batch, already preprocessed and moved to the model's device: an
             ``(N, C, L)``, ``(N, C, H, W)`` or ``(N, C, D, H, W)`` tensor (one ``(C, H, W)``
             image for a 2-D image model), a tuple of inputs passed positionally or a dict
-            passed as keywords (:mod:`camviz.core.inputs`).
+            passed as keywords (:mod:`camviz.core.inputs`); for a torchvision detector, also
+            a list of ``(3, H_n, W_n)`` images of any sizes (a list of maps out).
         method: A registry name (:func:`camviz.cams.names`) or a method instance.
         layer: Target layer(s): names, wildcard patterns or submodules of the model,
             or a list of them; ``"name[0]"`` / ``"name[key]"`` takes one element of
@@ -392,6 +405,11 @@ def explain(
     target = cam.explained_target(target)
     scales = _aug_scales(aug_smooth, target)
     batch = as_inputs(inputs, model, map_input)
+    if scales and batch.image_sizes is not None:
+        raise CamvizError(
+            "aug_smooth cannot rescale a list of images; explain them without aug_smooth, "
+            "or as one (N, 3, H, W) batch of one size"
+        )
     rank = batch.main.dim() - 2
     if rank not in cam.spatial_ranks:
         shapes = {1: "signals (N, C, L)", 2: "images (N, C, H, W)", 3: "volumes (N, C, D, H, W)"}
@@ -428,8 +446,12 @@ def explain(
         if layer is None:
             _check_default_layer(model, batch, raw, recorded, kinds, target, output_key)
         maps_by_layer = {name: _finish(maps, relu, normalize) for name, maps in raw.items()}
-        size = batch.main.shape[2:]
-        full_size = {name: upsample(maps, size) for name, maps in maps_by_layer.items()}
+        batch_size, ranks = recorded.scores.shape
+        samples = torch.arange(batch_size).repeat_interleave(ranks)
+        full_size = {
+            name: _on_input(cam, recorded.placement, maps, samples)
+            for name, maps in maps_by_layer.items()
+        }
         if scales:
             # Augmented passes explain the classes chosen here, even if augmentation flips them.
             chosen = recorded.class_ids
@@ -454,16 +476,14 @@ def explain(
                 relu,
                 normalize,
             )
-    heatmaps = _fused(list(full_size.values()), fuse, relu, normalize)
-    batch_size, ranks = recorded.scores.shape
     ids = recorded.class_ids
     return Explanation(
-        heatmaps=heatmaps,
+        heatmaps=_heatmaps(list(full_size.values()), batch, samples, fuse, relu, normalize),
         layer_maps=maps_by_layer[layers[0]],
         maps_by_layer=maps_by_layer,
         targets=(ids if ids is not None else torch.full((batch_size, ranks), -1)).reshape(-1).cpu(),
         scores=recorded.scores.reshape(-1),
-        samples=torch.arange(batch_size).repeat_interleave(ranks),
+        samples=samples,
         output=recorded.output,
         method=cam.name,
         layers=list(layers),
@@ -471,7 +491,10 @@ def explain(
         maps_by_input=(
             None
             if by_input is None
-            else {key: _finish(maps, relu, normalize) for key, maps in by_input.items()}
+            else {
+                key: _per_image(maps, batch, samples, key, relu, normalize)
+                for key, maps in by_input.items()
+            }
         ),
         boxes=(
             torch.stack([fn.boxes for fn in _detection_scores(recorded.score_fns)], dim=1)
@@ -594,6 +617,7 @@ def layer_data(
                 layout=layout,
                 batch=batch,
                 hessian_products=None if product is None else layout.to_spatial(product),
+                placement=recorded.placement,
             )
         )
     return ranks
@@ -672,6 +696,54 @@ def _finish(maps: torch.Tensor, relu: bool, normalize: bool) -> torch.Tensor:
     return _rescale(torch.relu(maps) if relu else maps, relu, normalize)
 
 
+def _on_input(
+    cam: CamMethod, placement: Placement, maps: torch.Tensor, samples: torch.Tensor
+) -> torch.Tensor:
+    """A layer's ``(M, *grid)`` maps laid on the map input (already there for methods with
+    ``input_resolution``)."""
+    return maps if cam.input_resolution else placement.lay(maps, samples)
+
+
+def _crops(maps: torch.Tensor, batch: Inputs, samples: torch.Tensor) -> list[torch.Tensor]:
+    """Each of the ``(M, *canvas)`` maps of a list of images cropped to its own image."""
+    sizes = batch.spatial_sizes()
+    return [corner(values, sizes[n]) for values, n in zip(maps, samples.tolist(), strict=True)]
+
+
+def _per_image(
+    maps: torch.Tensor,
+    batch: Inputs,
+    samples: torch.Tensor,
+    key: Key,
+    relu: bool,
+    normalize: bool,
+) -> Maps:
+    """Raw maps on input ``key``, finished; for a list of images, the map input's cropped to
+    each image and normalised there."""
+    if batch.image_sizes is None or key != batch.key:
+        return _finish(maps, relu, normalize)
+    return [_finish(crop[None], relu, normalize)[0] for crop in _crops(maps, batch, samples)]
+
+
+def _heatmaps(
+    maps: Sequence[torch.Tensor],
+    batch: Inputs,
+    samples: torch.Tensor,
+    fuse: Fuse,
+    relu: bool,
+    normalize: bool,
+) -> Maps:
+    """The heatmaps: the layers' maps on the input fused; for a list of images one map per
+    image, cropped to it and normalised over it."""
+    if batch.image_sizes is None:
+        return _fused(maps, fuse, relu, normalize)
+    per_layer = [_crops(values, batch, samples) for values in maps]
+    return [
+        _fused([crop[None] for crop in crops], fuse, relu, normalize)[0]
+        for crops in zip(*per_layer, strict=True)
+    ]
+
+
 def _fused(maps: Sequence[torch.Tensor], fuse: Fuse, relu: bool, normalize: bool) -> torch.Tensor:
     """The heatmaps: the layers' maps at the input size, fused (normalised maps only)."""
     if len(maps) == 1 or not normalize:
@@ -721,7 +793,7 @@ def _check_finite(model: nn.Module, batch: Inputs, recorded: LayerPass) -> None:
     ]
     bad = [what for what, values in forward if not is_finite(values)]
     if bad:
-        single = len(batch.args) == 1 and not batch.kwargs
+        single = len(batch.args) == 1 and not batch.kwargs and batch.image_sizes is None
         first = first_nonfinite_layer(model, batch.main) if single else None
         source = (
             f"layer {first!r} is the first to output NaN or Inf"
@@ -789,7 +861,9 @@ def _aug_smoothed(
     input (flipped along its last axis only).
 
     Each augmented map is brought back to the plain pass's geometry (resized, then flipped
-    back) at the layer's resolution and at the input's, with one interpolation each.
+    back) at the layer's resolution and at the input's, with one interpolation each (a
+    detector's maps are first laid on the rescaled input it saw, see
+    :mod:`camviz.core.placement`).
 
     Returns:
         ``(maps_by_layer, full_size)``: the averaged maps at each layer's resolution
@@ -837,10 +911,15 @@ def _aug_smoothed(
                 "pass aug_smooth=(1.0,) to average over flips only"
             ) from error
         raw = _layer_maps(cam, model, batch.with_main(augmented), recorded, kinds)[0]
+        samples = torch.arange(batch.size).repeat_interleave(recorded.scores.shape[1])
         for name, maps in raw.items():
             maps = _finish(maps, relu, normalize)
             at_layer = upsample(maps, maps_by_layer[name].shape[1:])
-            at_input = upsample(maps, size)
+            at_input = (
+                upsample(maps, size)
+                if cam.input_resolution
+                else recorded.placement.lay(maps, samples, size)
+            )
             sums[name] += at_layer.flip(-1) if flip else at_layer
             full_sums[name] += at_input.flip(-1) if flip else at_input
     count = len(variants) if 1 in scales else len(variants) + 1

@@ -13,7 +13,7 @@ from camviz.cams.noise import SampleNoise
 from camviz.cams.perturbation import PerturbationMethod, checked_count, rank_scores
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
-from camviz.core.maps import normalize, upsample
+from camviz.core.maps import normalize
 from camviz.core.targets import probability_score, take_rows
 
 # Input values per forward pass on a CPU when no batch_size is given (see ScoreCAM).
@@ -132,12 +132,18 @@ class ScoreCAM(PerturbationMethod):
             scored = rank_scores(data.run(masked, samples), ranks, samples)
             scores[:, samples, channels] = scored.to(scores.dtype)
         if constant.any():
-            first = torch.zeros(1, dtype=torch.long, device=data.inputs.device)
-            blank = data.run(torch.zeros_like(data.inputs[:1]), first)
-            batch = torch.arange(constant.shape[0], device=constant.device)
-            blank_scores = rank_scores(take_rows(blank, torch.zeros_like(batch)), ranks, batch)
-            scores = torch.where(constant, blank_scores.unsqueeze(-1), scores)
+            scores = torch.where(constant, self.blank_scores(data, ranks).unsqueeze(-1), scores)
         return scores
+
+    @staticmethod
+    def blank_scores(data: LayerData, ranks: Sequence[LayerData]) -> torch.Tensor:
+        """``(K, N)``: the score of each rank for a zero image in place of each sample (one
+        pass of one zero image, or of one per image for a list of images of their sizes)."""
+        batch = torch.arange(len(data.inputs), device=data.inputs.device)
+        if data.batch is not None and data.batch.image_sizes is not None:
+            return rank_scores(data.run(torch.zeros_like(data.inputs), batch), ranks, batch)
+        blank = data.run(torch.zeros_like(data.inputs[:1]), batch[:1])
+        return rank_scores(take_rows(blank, torch.zeros_like(batch)), ranks, batch)
 
     def rows_per_pass(self, inputs: torch.Tensor) -> int:
         """Masked images per forward pass: ``batch_size``, or the default for the device."""
@@ -149,8 +155,9 @@ class ScoreCAM(PerturbationMethod):
 
     @staticmethod
     def masks(data: LayerData, samples: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
-        """``(R, *spatial)`` masks ``s(U(A^k))`` of the given (sample, channel) pairs."""
-        return normalize(upsample(data.activations[samples, channels], data.inputs.shape[2:]))
+        """``(R, *spatial)`` masks ``s(U(A^k))`` of the given (sample, channel) pairs (``U``
+        lays the grid on the input: :meth:`~camviz.cams.base.LayerData.on_input`)."""
+        return normalize(data.on_input(data.activations[samples, channels], samples))
 
 
 @register
@@ -214,6 +221,7 @@ class SSCAM(ScoreCAM):
         inputs = data.inputs
         batch, channels = data.activations.shape[:2]
         noise = SampleNoise(batch, self.seed, inputs.device)
+        sizes = data.batch.image_sizes if data.batch is not None else None
         scores = inputs.new_zeros(len(ranks), batch, channels)
         pairs = torch.cartesian_prod(
             torch.arange(batch, device=inputs.device), torch.arange(channels, device=inputs.device)
@@ -222,7 +230,7 @@ class SSCAM(ScoreCAM):
             for chunk in pairs.split(self.rows_per_pass(inputs)):
                 samples, chunk_channels = chunk.unbind(dim=1)
                 masks = self.masks(data, samples, chunk_channels)
-                draw = noise.draw(samples, masks.shape[1:], masks.dtype)
+                draw = noise.draw(samples, masks.shape[1:], masks.dtype, sizes)
                 masked = inputs[samples] * (masks + self.std * draw).unsqueeze(1)
                 scores[:, samples, chunk_channels] += rank_scores(
                     data.run(masked, samples), ranks, samples
