@@ -15,7 +15,7 @@ from camviz.cli import main
 from camviz.io import models
 from camviz.io.images import Preprocess, load_image
 from camviz.io.render import BOX_COLOUR, PANEL_TILE_WIDTH, overlay
-from camviz.pipeline import dataset
+from camviz.pipeline import dataset, tasks
 
 SEGMENTER = "deeplabv3_mobilenet_v3_large"
 DETECTOR = "fasterrcnn_mobilenet_v3_large_320_fpn"
@@ -247,3 +247,43 @@ def test_a_model_the_input_does_not_fit_fails_with_one_line(video, detector, tmp
         lines = capsys.readouterr().err.splitlines()
         assert len(lines) == 1 and expected in lines[0] and "Traceback" not in lines[0]
         assert not out.exists()
+
+
+def test_segmentation_default_is_each_images_largest_class_but_the_background():
+    # Image 0: background on 8 pixels, class 2 on 5, class 1 on 3; image 1: background only.
+    predicted = torch.zeros(2, 4, 4, dtype=torch.long)
+    predicted[0].view(-1)[8:13] = 2
+    predicted[0].view(-1)[13:] = 1
+    logits = torch.nn.functional.one_hot(predicted, 3).permute(0, 3, 1, 2).float()
+    groups = tasks.plan(
+        "segmentation", lambda batch: {"out": logits}, logits, None,
+        [tasks.BACKGROUND, "cat", "dog"], tasks.TaskOptions(),
+    )  # fmt: skip
+    explained, empty = sorted(groups, key=lambda group: group.reason is not None)
+    assert explained.positions == [0] and explained.target.class_id == 2
+    assert torch.equal(explained.target.mask, predicted[:1] == 2)
+    assert empty.positions == [1] and empty.reason == (
+        "no pixel is predicted as any class but the background"
+    )
+
+
+def test_detection_keeps_objects_above_the_score_of_the_class_asked_best_first():
+    found = {
+        "boxes": torch.arange(20.0).view(5, 4),
+        "scores": torch.tensor([0.9, 0.8, 0.6, 0.55, 0.3]),
+        "labels": torch.tensor([1, 2, 1, 1, 1]),
+    }
+    categories = [tasks.BACKGROUND, "person", "car"]
+
+    def plan(target, **options):
+        return tasks.plan(
+            "detection", lambda batch: [found], torch.zeros(1, 3, 8, 8), target, categories,
+            tasks.TaskOptions(**options),
+        )  # fmt: skip
+
+    (group,) = plan("person", min_score=0.5, max_objects=2)
+    assert group.target.index == [0, 2] and group.boxes == found["boxes"][[0, 2]].tolist()
+    (group,) = plan(None, min_score=0.5)
+    assert group.target.index == [0, 1, 2, 3]
+    (group,) = plan("car", min_score=0.85)
+    assert group.reason == "no object of class 'car' scored 0.85 or more"
