@@ -15,7 +15,7 @@ from camviz.cli import main
 from camviz.io import models
 from camviz.io.images import Preprocess, load_image
 from camviz.io.render import BOX_COLOUR, PANEL_TILE_WIDTH, overlay
-from camviz.pipeline import dataset, tasks
+from camviz.pipeline import dataset, job, tasks
 
 SEGMENTER = "deeplabv3_mobilenet_v3_large"
 DETECTOR = "fasterrcnn_mobilenet_v3_large_320_fpn"
@@ -156,6 +156,18 @@ def test_detection_writes_an_overlay_per_object_with_its_box_a_panel_and_rows(
     (row,) = manifest_rows(none)
     assert row["status"] == "ok" and row["explained"] == [] and row["files"] == []
     assert row["reason"] == "no object scored 1.01 or more"
+
+    # A job lowers the detector's own threshold (scores here are ~1/91), and hands the
+    # detector back with that threshold and its resize.
+    loaded.model.roi_heads.score_thresh = 0.05
+    before = (loaded.model.roi_heads.score_thresh, loaded.model.transform.min_size)
+    job.explain_files(
+        photo, tmp_path / "api", loaded, layer=LAYER, outputs=job.Outputs(False, False),
+        task_options=tasks.TaskOptions(min_score=1e-9, max_objects=1), input_size=32,
+    )  # fmt: skip
+    (row,) = manifest_rows(tmp_path / "api")
+    assert len(row["explained"]) == 1
+    assert (loaded.model.roi_heads.score_thresh, loaded.model.transform.min_size) == before
 
 
 def _check_box_drawn(out, entry: dict, image: Image.Image) -> None:

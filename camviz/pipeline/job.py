@@ -90,7 +90,7 @@ from camviz.core.precision import check_precision
 from camviz.core.targets import Target
 from camviz.io.atomic import atomic_write
 from camviz.io.images import PathLike
-from camviz.io.models import LoadedModel, with_input_size
+from camviz.io.models import LoadedModel
 from camviz.io.render import (
     SALIENCY_PERCENTILE,
     clip_video,
@@ -103,7 +103,7 @@ from camviz.io.video import FrameReader, frame_count, frame_rate, write_video
 from camviz.pipeline import distributed, lock, manifest
 from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
 from camviz.pipeline.inputs import NAME_MAX, Item, expand
-from camviz.pipeline.tasks import TaskOptions, clip_spec, fit_task, lower_score_threshold
+from camviz.pipeline.tasks import TaskOptions, clip_spec, fit_task, prepared
 
 #: The run's summary: settings, and every row once the run is complete.
 MANIFEST = manifest.SUMMARY
@@ -192,8 +192,9 @@ def explain_files(
             :func:`camviz.explain`).
         channels_last: Channels-last inputs for the model (see :func:`camviz.explain`).
         task_options: For detectors (``min_score``, ``max_objects``) and video models
-            (``clip_len``, ``stride``); ``None``: the defaults. A detector is set to return
-            every detection scored ``min_score`` or more.
+            (``clip_len``, ``stride``); ``None``: the defaults. A detector returns every
+            detection scored ``min_score`` or more during the run (see
+            :func:`camviz.pipeline.tasks.prepared`).
         input_size: Scale images (frames) to this many pixels on their shorter side
             instead of the model's size (for a detector: its own resize), see
             :func:`camviz.models.with_input_size`.
@@ -215,10 +216,6 @@ def explain_files(
     check_out_dir(out)
     task_options = task_options or TaskOptions()
     _check_task_outputs(loaded, outputs)
-    if input_size is not None:
-        loaded = with_input_size(loaded, input_size)
-    if loaded.task == "detection":
-        lower_score_threshold(loaded.model, task_options.min_score)
     clips = clip_spec(loaded.task, loaded.clip_len, task_options)
     items = expand(
         inputs,
@@ -237,12 +234,16 @@ def explain_files(
     settings = _settings(loaded, method, layer, target, render, outputs)
     settings["precision"] = precision
     settings.update(_task_settings(loaded, task_options, clips, input_size))
-    with distributed.session() as context, lock.locked(out, context):
+    with (
+        distributed.session() as context,
+        lock.locked(out, context),
+        prepared(loaded, task_options, input_size) as running,
+    ):
         try:
             _run(
                 out,
                 items,
-                loaded,
+                running,
                 settings,
                 render,
                 outputs,

@@ -21,7 +21,8 @@ no failure: it gets a :class:`Group` with a ``reason``, which the manifest row s
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch
 
 from camviz.core.errors import CamvizError
 from camviz.core.targets import Region, Target, as_logits
-from camviz.io.models import DEFAULT_CLIP_LEN, Task
+from camviz.io.models import DEFAULT_CLIP_LEN, LoadedModel, Task, with_input_size
 from camviz.pipeline.inputs import Item
 
 #: The class name torchvision's segmentation and detection weights give the background.
@@ -187,16 +188,43 @@ def _detection(
     return groups
 
 
-def lower_score_threshold(model: torch.nn.Module, min_score: float) -> None:
-    """Let a torchvision detector return every detection scored ``min_score`` or more.
+# The settings of torchvision's detectors that a job changes: where they are, what they are.
+_DETECTOR_SETTINGS = (
+    ("roi_heads", "score_thresh"),  # R-CNNs
+    ("", "score_thresh"),  # RetinaNet, FCOS, SSD
+    ("transform", "min_size"),
+    ("transform", "max_size"),
+    ("transform", "fixed_size"),
+)
 
-    Detectors drop detections below their own threshold (0.05 for Faster R-CNN, 0.01 for
-    SSDlite); a lower ``min_score`` would otherwise silently miss objects.
+
+@contextmanager
+def prepared(
+    loaded: LoadedModel, options: TaskOptions, input_size: int | None
+) -> Iterator[LoadedModel]:
+    """``loaded`` as a job runs it; the model comes back as it was when the block ends.
+
+    Images are scaled to ``input_size`` (:func:`~camviz.models.with_input_size`), and a
+    detector returns every detection scored ``options.min_score`` or more: detectors drop
+    detections below their own threshold (0.05 for Faster R-CNN, 0.001 for SSDlite), so a
+    lower ``min_score`` would otherwise silently miss objects.
     """
-    owner = getattr(model, "roi_heads", model)  # R-CNNs keep it in their ROI heads
-    threshold = getattr(owner, "score_thresh", None)
-    if isinstance(threshold, float):
-        owner.score_thresh = min(threshold, min_score)
+    modules = dict(loaded.model.named_modules())  # "" is the model itself
+    saved = [
+        (modules[path], name, getattr(modules[path], name))
+        for path, name in _DETECTOR_SETTINGS
+        if path in modules and hasattr(modules[path], name)
+    ]
+    try:
+        running = loaded if input_size is None else with_input_size(loaded, input_size)
+        if loaded.task == "detection":
+            for owner, name, value in saved:
+                if name == "score_thresh" and isinstance(value, float):
+                    setattr(owner, name, min(value, options.min_score))
+        yield running
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 def clip_spec(
