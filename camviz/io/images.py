@@ -188,7 +188,8 @@ class Preprocess:
         mean: Per-channel mean subtracted after scaling to ``[0, 1]``.
         std: Per-channel standard deviation divided by.
         resize: ``"shorter"`` keeps the aspect ratio; ``"square"`` squashes the image to
-            ``size x size``, for models that need a fixed size (most ViTs).
+            ``size x size``, for models that need a fixed size (most ViTs); ``"none"`` keeps
+            the image's own size (detectors, which resize inside; ``size`` is then unused).
         interpolation: ``"bilinear"`` or ``"bicubic"`` (timm models often use bicubic).
         max_size: With ``"shorter"``, the most the longer side may have; a very wide image
             is then scaled so that its longer side is ``max_size``.
@@ -203,7 +204,7 @@ class Preprocess:
     size: int = 224
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
-    resize: Literal["shorter", "square"] = "shorter"
+    resize: Literal["shorter", "square", "none"] = "shorter"
     interpolation: Literal["bilinear", "bicubic"] = "bilinear"
     max_size: int | None = None
     multiple_of: int = 1
@@ -218,8 +219,8 @@ class Preprocess:
             object.__setattr__(self, name, values)  # lists become hashable tuples
         if min(self.std) <= 0:
             raise CamvizError(f"std values must be positive, got {self.std}")
-        if self.resize not in ("shorter", "square"):
-            raise CamvizError(f"resize must be 'shorter' or 'square', not {self.resize!r}")
+        if self.resize not in ("shorter", "square", "none"):
+            raise CamvizError(f"resize must be 'shorter', 'square' or 'none', not {self.resize!r}")
         if self.interpolation not in _INTERPOLATIONS:
             raise CamvizError(
                 f"interpolation must be one of {', '.join(_INTERPOLATIONS)}, "
@@ -236,6 +237,8 @@ class Preprocess:
         """The ``(H, W)`` of the tensor made from a ``width`` x ``height`` image."""
         if self.resize == "square":
             new_height = new_width = float(self.size)
+        elif self.resize == "none":
+            new_height, new_width = float(height), float(width)
         else:
             scale = self.size / min(width, height)
             if self.max_size is not None and max(width, height) * scale > self.max_size:

@@ -943,3 +943,124 @@ def _grey(image: Image.Image | torch.Tensor, shape: tuple[int, ...]) -> np.ndarr
 def _extent(values: np.ndarray) -> tuple[float, float, float, float]:
     """One shared pixel frame for an image and a map of another size."""
     return (0.0, float(values.shape[1]), float(values.shape[0]), 0.0)
+
+
+# Detections: boxes and labels drawn with Pillow ---------------------------------------------
+
+#: The colour of drawn boxes and of their labels' backgrounds: white, framed in black, so it
+#: stands out on a photo and on every colour of the heatmap.
+BOX_COLOUR = (255, 255, 255)
+
+# Width of a box's white line and of the black frame on each side of it (pixels).
+_BOX_WIDTH = 2
+_BOX_FRAME = 1
+
+# Tiles per row of a detection panel.
+_DETECTION_COLUMNS = 4
+
+
+def draw_box(image: Image.Image, box: Sequence[float], label: str = "") -> Image.Image:
+    """``image`` with a box drawn on it and, at its top-left corner, its label.
+
+    The box is a :data:`BOX_COLOUR` line from the box's edge inwards, framed in black (so
+    it shows on any colour); the label is black on that colour, above the box (below it, or
+    inside its top, where the picture has no room), never beyond the picture's edges.
+
+    Args:
+        image: The picture (an overlay at the photo's size); drawn on in place.
+        box: ``(x0, y0, x1, y1)`` in the picture's pixels, as detectors return them.
+        label: The text, e.g. ``"person 0.91"``.
+
+    Returns:
+        ``image``.
+    """
+    x0, y0, x1, y1 = (round(float(value)) for value in box)
+    draw = ImageDraw.Draw(image)
+    # Line i runs i pixels inside the box's edge: white from the edge inwards, black around.
+    for inset in range(-_BOX_FRAME, _BOX_WIDTH + _BOX_FRAME):
+        if x1 - inset >= x0 + inset and y1 - inset >= y0 + inset:
+            colour = BOX_COLOUR if 0 <= inset < _BOX_WIDTH else (0, 0, 0)
+            draw.rectangle((x0 + inset, y0 + inset, x1 - inset, y1 - inset), outline=colour)
+    outer = _BOX_FRAME
+    if label:
+        # Readable on a large photo too: about a 30th of its shorter side.
+        font = ImageFont.load_default(max(_CAPTION_SIZE, min(image.size) // 30))
+        left, top, right, bottom = draw.textbbox((0, 0), label, font=font)
+        width, height = right - left + 4, bottom - top + 4
+        x = min(max(0, x0 - outer), max(0, image.width - width))
+        # Above the box; below it where there is no room; inside its top as a last resort.
+        above, below = y0 - outer - height, y1 + outer + 1
+        y = above if above >= 0 else below if below + height < image.height else y0 + outer
+        draw.rectangle((x, y, x + width, y + height), fill=BOX_COLOUR)
+        draw.text((x + 2 - left, y + 2 - top), label, fill="black", font=font)
+    return image
+
+
+def detection_panel(
+    image: Image.Image,
+    heatmaps: Sequence[Heatmap],
+    boxes: Sequence[Sequence[float]],
+    labels: Sequence[str],
+    *,
+    title: str = "",
+    alpha: float = 0.5,
+    colormap: str | Colormap = "jet",
+    clip: float | None = None,
+    width: int = PANEL_TILE_WIDTH,
+) -> Image.Image:
+    """The photo with every box, then each object's overlay with its box, in a grid.
+
+    Tiles are ``width`` pixels wide (the photo's aspect kept), :data:`_DETECTION_COLUMNS` a
+    row, each captioned (``"all objects"``, then each label), on white, under ``title``.
+
+    Args:
+        image: The original image.
+        heatmaps: One ``(H, W)`` map in ``[0, 1]`` per object.
+        boxes: One ``(x0, y0, x1, y1)`` box per object, in the image's pixels.
+        labels: One label per object, e.g. ``"person 0.91"``.
+        title: The title, e.g. ``"gradcam, layer backbone"``.
+        alpha, colormap, clip: As in :func:`overlay`.
+        width: Width of each tile, in pixels.
+    """
+    if not len(heatmaps) == len(boxes) == len(labels):
+        raise CamvizError(
+            f"got {len(heatmaps)} maps, {len(boxes)} boxes and {len(labels)} labels; give one "
+            "of each per object"
+        )
+    rgb = _as_rgb(image)
+    scale = width / rgb.width
+    size = (width, max(1, round(rgb.height * scale)))
+    pixels = _resized_pixels(_pixels(rgb, None), size)
+    table = lookup_table(colormap)
+    scaled = [[value * scale for value in box] for box in boxes]
+    everything = _picture(pixels)
+    for box in scaled:
+        draw_box(everything, box)
+    tiles = [("all objects", everything)]
+    for heatmap, box, label in zip(heatmaps, scaled, labels, strict=True):
+        values = _resized(clipped(_as_map(heatmap), clip), size)
+        tile = _picture(blend(pixels, values, alpha, table))
+        tiles.append((label, draw_box(tile, box)))
+    return _tile_grid(tiles, size, title)
+
+
+def _tile_grid(
+    tiles: Sequence[tuple[str, Image.Image]], size: tuple[int, int], title: str
+) -> Image.Image:
+    """Captioned pictures of one ``size`` in rows of :data:`_DETECTION_COLUMNS`, on white."""
+    columns = min(len(tiles), _DETECTION_COLUMNS)
+    rows = math.ceil(len(tiles) / columns)
+    top = _PANEL_GAP + (_TITLE_SIZE + _PANEL_GAP if title else 0)
+    cell = (size[0] + _PANEL_GAP, _CAPTION_SIZE + _PANEL_GAP // 2 + size[1] + _PANEL_GAP)
+    canvas = Image.new("RGB", (columns * cell[0] + _PANEL_GAP, top + rows * cell[1]), "white")
+    draw = ImageDraw.Draw(canvas)
+    if title:
+        font = ImageFont.load_default(_TITLE_SIZE)
+        draw.text((canvas.width / 2, _PANEL_GAP), title, fill="black", font=font, anchor="ma")
+    font = ImageFont.load_default(_CAPTION_SIZE)
+    for number, (caption, tile) in enumerate(tiles):
+        left = _PANEL_GAP + (number % columns) * cell[0]
+        row_top = top + (number // columns) * cell[1]
+        draw.text((left + size[0] / 2, row_top), caption, fill="black", font=font, anchor="ma")
+        canvas.paste(tile, (left, row_top + _CAPTION_SIZE + _PANEL_GAP // 2))
+    return canvas
