@@ -392,11 +392,14 @@ def test_unknown_timm_name_suggests_timm_names():
         models.load("timm:resnet50x")
 
 
-def test_available_lists_the_offline_model_and_every_torchvision_classifier():
+def test_available_lists_the_offline_model_and_every_torchvision_model():
     names = models.available()
 
+    modules = ("segmentation", "detection", "video")
+    tasks = (torchvision.models, *(getattr(torchvision.models, task) for task in modules))
+    every = [name for module in tasks for name in torchvision.models.list_models(module=module)]
     assert names[0] == "efficientnet_lite0"
-    assert sorted(names[1:]) == sorted(torchvision.models.list_models(module=torchvision.models))
+    assert sorted(names[1:]) == sorted(every)
 
 
 def test_importing_models_does_not_import_torchvision_or_timm():

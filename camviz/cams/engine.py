@@ -55,7 +55,16 @@ from camviz.core.modelstate import eval_mode, exclusive, uncompiled
 from camviz.core.placement import Placement, recording
 from camviz.core.precision import Precision, at_least_fp32, check_precision, forward_precision
 from camviz.core.similarity import Similarity
-from camviz.core.taps import At, edit_spots, parse, spot_keys
+from camviz.core.taps import (
+    At,
+    edit_spots,
+    element_key,
+    map_elements,
+    parse,
+    replace,
+    select,
+    spot_keys,
+)
 from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 
 Fuse = Literal["mean", "max", "product"]
@@ -100,7 +109,9 @@ class Explanation:
         samples: ``(M,)`` index of the input each map belongs to.
         output: The model's output for the batch, detached.
         method: The method's registry name.
-        layers: The target layer spots (names; ``"name:input"`` for ``at="input"``).
+        layers: The target layer spots (names; ``"name:input"`` for ``at="input"``; a
+            layer whose output is a tuple, list or dict of feature maps appears as its
+            maps' element spots, e.g. ``["backbone[0]", "backbone[1]", "backbone[pool]"]``).
         weights: ``{layer: (M, C)}`` channel weights for the methods whose map is a weighted
             sum of channels (Grad-CAM, Grad-CAM++, XGrad-CAM, Score-CAM, SS-CAM,
             Ablation-CAM ...), from the plain pass; ``None`` for the others.
@@ -158,26 +169,49 @@ class LayerPass:
 
 
 class _Tap:
-    """The forward-hook edit on one target spot (see the module docstring, step 2)."""
+    """The forward-hook edit on one target spot (see the module docstring, step 2).
 
-    def __init__(self, name: str, open_gradient_path: bool) -> None:
+    A spot that holds a tuple, list or dict (an FPN's levels) is tapped at each of its
+    feature maps (:func:`camviz.core.taps.map_elements`), recorded under their element spots.
+    """
+
+    def __init__(self, name: str, open_gradient_path: bool, rank: int) -> None:
         self.name = name
         self.open_gradient_path = open_gradient_path
-        self.activation: torch.Tensor | None = None
-        self.delta: torch.Tensor | None = None
+        self.rank = rank
+        self.ran = False
+        self.activations: dict[str, torch.Tensor] = {}
+        self.deltas: dict[str, torch.Tensor] = {}
 
-    def __call__(self, output: torch.Tensor) -> torch.Tensor:
-        if self.activation is not None:
+    def __call__(self, output: Any) -> Any:
+        if self.ran:
             raise CamvizError(
                 f"layer {self.name!r} runs more than once in one forward pass (a shared "
                 "module); pick a layer that runs once"
             )
-        self.activation = output.detach().clone()
+        self.ran = True
+        if isinstance(output, torch.Tensor):
+            return self._tapped(self.name, output)
+        items = map_elements(output, self.rank)
+        if not items:
+            raise CamvizError(
+                f"layer {self.name!r} gives a {type(output).__name__} with no feature map of "
+                f"the input's rank ({self.rank + 2}-D tensors); pick a layer that outputs one, "
+                "or one element of it as 'name[0]' or 'name[key]'"
+            )
+        for item in items:
+            key = element_key(self.name, item)
+            output = replace(output, (item,), self._tapped(key, select(output, (item,), key)))
+        return output
+
+    def _tapped(self, key: str, output: torch.Tensor) -> torch.Tensor:
+        self.activations[key] = output.detach().clone()
         if not self.open_gradient_path:
             return output
         torch.set_grad_enabled(True)  # undone when the caller's no_grad block ends
-        self.delta = torch.zeros_like(output, requires_grad=True)
-        return output + self.delta
+        delta = torch.zeros_like(output, requires_grad=True)
+        self.deltas[key] = delta
+        return output + delta
 
 
 def layer_pass(
@@ -196,7 +230,9 @@ def layer_pass(
     The building block under every method: :func:`explain` calls it once, and methods
     that average over noisy or augmented inputs call it once per variant. The model must
     already be in the mode wanted (``explain`` puts it in eval mode). ``layers`` are spot
-    keys (:mod:`camviz.core.taps`); ``hessian=True`` (with ``gradients``) also records ``H A``
+    keys (:mod:`camviz.core.taps`); one whose output is a tuple, list or dict is recorded at
+    each of its feature maps, under their element spots (the keys of
+    :attr:`LayerPass.activations`); ``hessian=True`` (with ``gradients``) also records ``H A``
     at each layer (see the module docstring); ``record`` also logs every module call (for
     layouts).
     """
@@ -216,29 +252,29 @@ def _layer_pass(
     hessian: bool = False,
     record: bool = False,
 ) -> LayerPass:
-    taps = {name: _Tap(name, gradients) for name in layers}
+    taps = {name: _Tap(name, gradients, batch.main.dim() - 2) for name in layers}
     log = None
-    with edit_spots(model, taps), recording(model) as placed, torch.no_grad():
+    with edit_spots(model, taps, containers=True), recording(model) as placed, torch.no_grad():
         if record:
             with record_calls(model) as log:
                 output = batch(model)
         else:
             output = batch(model)
-    activations = {}
-    deltas = []  # one per layer when gradients are asked for (the strict zip below checks)
+    activations: dict[str, torch.Tensor] = {}
+    deltas: dict[str, torch.Tensor] = {}  # one per spot when gradients are asked for
     for tap in taps.values():
-        if tap.activation is None:
+        if not tap.ran:
             raise CamvizError(
                 f"layer {tap.name!r} did not run in the forward pass; pick a layer that the "
                 "model uses (`camviz layers` lists them with shapes)"
             )
-        activations[tap.name] = tap.activation
-        if tap.delta is not None:
-            deltas.append(tap.delta)
+        activations.update(tap.activations)
+        deltas.update(tap.deltas)
+    spots = list(activations)  # container spots expanded into their feature maps
     fns, ids = score_fns(target, output, output_key)
-    per_rank: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if gradients else {}
+    per_rank: dict[str, list[torch.Tensor]] = {name: [] for name in spots} if gradients else {}
     hessian = hessian and gradients
-    products: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if hessian else {}
+    products: dict[str, list[torch.Tensor]] = {name: [] for name in spots} if hessian else {}
     scores = []
     with torch.enable_grad():
         for rank, score_fn in enumerate(fns):
@@ -254,12 +290,12 @@ def _layer_pass(
                 )
             grads = torch.autograd.grad(
                 score.sum(),
-                deltas,
+                list(deltas.values()),
                 retain_graph=hessian or rank < len(fns) - 1,
                 create_graph=hessian,
                 allow_unused=True,
             )
-            for name, delta, grad in zip(layers, deltas, grads, strict=True):
+            for (name, delta), grad in zip(deltas.items(), grads, strict=True):
                 per_rank[name].append(
                     at_least_fp32(torch.zeros_like(delta) if grad is None else grad.detach())
                 )
@@ -330,10 +366,13 @@ def explain(
         method: A registry name (:func:`camviz.cams.names`) or a method instance.
         layer: Target layer(s): names, wildcard patterns or submodules of the model,
             or a list of them; ``"name[0]"`` / ``"name[key]"`` takes one element of
-            a tuple, list or dict output (:mod:`camviz.core.taps`). ``None`` picks the last
-            layer with a spatial output, or for a vision transformer the norm before its
-            last attention (:func:`camviz.core.layers.default_target_layer`; found once per
-            model with a one-sample dry run).
+            a tuple, list or dict output (:mod:`camviz.core.taps`); a layer whose output is
+            a tuple, list or dict of feature maps (an FPN's levels) gives one map per level,
+            fused like several layers. ``None`` picks a torchvision detector's FPN (its
+            ``backbone``) or a segmentation model's last backbone stage, else the last layer
+            with a spatial output, or for a vision transformer the norm before its last
+            attention (:func:`camviz.core.layers.default_target_layer`; found once per model,
+            with a one-sample dry run unless the model's family decides).
         target: What to explain; see :mod:`camviz.core.targets` (class id, list of ids, ``None``
             for top-1, or the output itself when it is one number per sample, ``"top3"``,
             :class:`~camviz.core.targets.Region`, :class:`~camviz.core.targets.Contrast`,
@@ -441,6 +480,9 @@ def explain(
             record=any(_known_kind(model, name, batch, given) is None for name in layers),
         )
         _check_finite(model, batch, recorded)
+        if list(recorded.activations) != layers:  # a container output: one spot per level
+            given = _element_kinds(given, list(recorded.activations))
+            layers = list(recorded.activations)
         kinds = {name: _kind(model, name, batch, given, recorded) for name in layers}
         raw, weights, by_input = _layer_maps(cam, model, batch, recorded, kinds)
         if layer is None:
@@ -530,15 +572,29 @@ def _unwrapped(model: nn.Module) -> nn.Module:
 
 
 def _given_kinds(layers: Sequence[str], layout: str | Mapping[str, str] | None) -> dict[str, Kind]:
-    """The layout kinds that ``layout=`` gives, by spot key."""
+    """The layout kinds that ``layout=`` gives, by spot key (or element spot of one)."""
     if layout is None:
         return {}
     if isinstance(layout, str):
         return {name: layout_kind(layout) for name in layers}
-    unknown = [name for name in layout if name not in layers]
+    unknown = [
+        name
+        for name in layout
+        if not any(name == spot or name.startswith(spot + "[") for spot in layers)
+    ]
     if unknown:
         raise CamvizError(f"layout= names {unknown}, which are not target layers ({layers})")
     return {name: layout_kind(value) for name, value in layout.items()}
+
+
+def _element_kinds(given: Mapping[str, Kind], spots: Sequence[str]) -> dict[str, Kind]:
+    """The kinds ``layout=`` gives to the element spots of a container spot (by its key)."""
+    kinds = {}
+    for spot in spots:
+        named = [key for key in given if spot == key or spot.startswith(key + "[")]
+        if named:
+            kinds[spot] = given[max(named, key=len)]  # the element's own entry first
+    return kinds
 
 
 def _known_kind(
@@ -552,14 +608,21 @@ def _known_kind(
         kind = module_kind(model.get_submodule(spot.name))
         if kind is not None:
             return kind
-    return _kind_cache.get(model, {}).get((name, batch.main.dim()))
+    cached, rank = _kind_cache.get(model, {}), batch.main.dim()
+    if (name, rank) in cached:
+        return cached[(name, rank)]
+    # A container spot (an FPN's levels): known once a pass told its maps' kind, if they agree.
+    prefix = name + "["
+    levels = {kind for (key, at), kind in cached.items() if at == rank and key.startswith(prefix)}
+    return levels.pop() if len(levels) == 1 else None
 
 
 def _kind(
     model: nn.Module, name: str, batch: Inputs, given: Mapping[str, Kind], recorded: LayerPass
 ) -> Kind | None:
     """The kind of a spot's tensor: as :func:`_known_kind`, else told from the recorded
-    pass (the module that produced the same tensor), and remembered."""
+    pass (the module that produced the same tensor, or for an element of a container that no
+    module produced, its siblings'), and remembered."""
     known = _known_kind(model, name, batch, given)
     if known is not None or recorded.calls is None:
         return known
@@ -569,6 +632,16 @@ def _kind(
     if end is None:
         return None
     kind = log.producer_kind(tuple(recorded.activations[name].shape), end)
+    if kind is None and spot.path:
+        # A level made by a function (an FPN's max-pooled 'pool'): read like the other
+        # maps of its container, when they agree.
+        parent = dataclasses.replace(spot, path=spot.path[:-1])
+        siblings = {
+            log.producer_kind(tuple(values.shape), end)
+            for key, values in recorded.activations.items()
+            if key != name and dataclasses.replace(parse(key), path=parse(key).path[:-1]) == parent
+        } - {None}
+        kind = siblings.pop() if len(siblings) == 1 else None
     if kind is not None:
         _kind_cache.setdefault(model, {})[(name, batch.main.dim())] = kind
     return kind
@@ -765,22 +838,28 @@ def _check_default_layer(
 ) -> None:
     """All-zero maps at a layer camviz chose, because the score does not depend on its grid,
     are an error: the user never named that layer. A head that reads only a class token
-    after the layer is such a case: the gradient reaches that token, not the patches."""
-    ((name, maps),) = raw.items()
-    if not len(maps) or bool(torch.relu(maps).any()):
+    after the layer is such a case: the gradient reaches that token, not the patches.
+
+    A default layer with several levels (an FPN) is checked as a whole: one level without
+    gradient is normal there (each box is pooled from one level)."""
+    if not all(len(maps) for maps in raw.values()) or any(
+        bool(torch.relu(maps).any()) for maps in raw.values()
+    ):
         return
-    gradients = recorded.gradients.get(name)
-    if gradients is None:  # a method without gradients: take them now, in this rare case
+    names = list(raw)
+    gradients = recorded.gradients
+    if not gradients:  # a method without gradients: take them now, in this rare case
         try:
-            with_gradients = layer_pass(model, batch, [name], target, output_key=output_key)
+            gradients = layer_pass(model, batch, names, target, output_key=output_key).gradients
         except CamvizError:  # no autograd path from the layer to the score
-            with_gradients = None
-        gradients = with_gradients.gradients[name] if with_gradients else []
-    layout = _layout(name, recorded.activations[name], batch.main, model, kinds[name])
-    if any(bool(layout.to_spatial(values).any()) for values in gradients):
-        return  # the score depends on the layer: the maps say "no positive evidence"
+            gradients = {}
+    for name, per_rank in gradients.items():
+        layout = _layout(name, recorded.activations[name], batch.main, model, kinds[name])
+        if any(bool(layout.to_spatial(values).any()) for values in per_rank):
+            return  # the score depends on the layer: the maps say "no positive evidence"
+    listed = ", ".join(repr(name) for name in names)
     raise CamvizError(
-        f"all maps are zero: the explained score does not depend on the default layer {name!r} "
+        f"all maps are zero: the explained score does not depend on the default layer {listed} "
         "at any location (a head that reads only a class token after it?); pass layer=NAME, "
         "e.g. the norm before the last attention (`camviz layers` lists them)"
     )

@@ -140,6 +140,11 @@ def factorize(
         with capture(model, layer) as seen, recording(model) as placed, torch.no_grad():
             output = model(inputs)
     raw = seen.activations[layer]
+    if not isinstance(raw, torch.Tensor):  # an FPN's levels: the default of a detector
+        raise CamvizError(
+            f"factorize takes one feature map, but layer {layer!r} gives a "
+            f"{type(raw).__name__} of them; pass layer=NAME, e.g. a stage of its backbone"
+        )
     patch = patch_size(model) if raw.dim() == 3 else None
     # Where the channels are: as the module says, or as in the input when it passes it on.
     kind = module_kind(model.get_submodule(layer))
