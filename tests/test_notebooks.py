@@ -51,6 +51,7 @@ FACTS: dict[str, list[str]] = {
         "square: p=1.00, box [14, 45, 28, 59], map peak in it: True",
         "pointing game over 38 objects: 0.97 (a random map: 0.11)",
         "cross: predicted region IoU 0.44 with the truth, map peak on it: True",
+        "default layers ['backbone[0]', 'backbone[1]', 'backbone[pool]']",
         "maps [(160, 240), (160, 240), (200, 160), (200, 160)] of images [0, 0, 1, 1]",
         "equal to the formula: True",
     ],
