@@ -14,6 +14,7 @@ Times are medians of ``--repeat`` rounds after one warm-up, in one process, on t
 each round runs every variant once, so that a busy machine slows them alike:
 
 * ``forward``: one plain forward pass under ``torch.inference_mode``;
+* ``forward, graph kept``: the same with autograd recording (what a gradient method needs);
 * ``backward after the layer``: one ``torch.autograd.grad`` of one detection's score to the
   target layer's output, on the graph of one forward pass: the cost of one more object when
   the forward pass is shared;
@@ -64,41 +65,48 @@ def runners(
     model: nn.Module, batch: torch.Tensor, layer: str | None
 ) -> dict[str, Callable[[], object]]:
     """No-argument functions that each run one variant once, at ``layer`` (``None``: camviz's
-    default)."""
-    layer = camviz.explain(model, batch, layer=layer, target=camviz.Detection(0)).layers[0]
-    print(f"layer: {layer}")
-    module = model.get_submodule(layer.split("[")[0].split(":")[0])
+    default, which may be several spots, e.g. the levels of a feature pyramid)."""
+    spots = camviz.explain(model, batch, layer=layer, target=camviz.Detection(0)).layers
+    print(f"layer: {', '.join(spots)}")
+    modules = {model.get_submodule(spot.split("[")[0].split(":")[0]) for spot in spots}
     captured: list[torch.Tensor] = []
 
     def capture(_: nn.Module, __: object, output: object) -> None:
-        captured[:] = tensors_in(output)
+        captured.extend(tensors_in(output))
 
-    handle = module.register_forward_hook(capture)
+    handles = [module.register_forward_hook(capture) for module in modules]
 
     def forward() -> object:
         with torch.inference_mode():
             return model(batch)
 
+    def forward_with_graph() -> object:
+        return model(batch)
+
     def backward_after_layer() -> object:
-        return torch.autograd.grad(score, captured, retain_graph=True)
+        # A level that the score does not depend on (the pyramid's extra pooled level feeds
+        # only the region proposals, which are detached) has no gradient.
+        return torch.autograd.grad(score, captured, retain_graph=True, allow_unused=True)
 
     score = model(batch)[0]["scores"][0]  # the graph that backward_after_layer walks
-    handle.remove()
+    for handle in handles:
+        handle.remove()
     runs: dict[str, Callable[[], object]] = {
         "forward": forward,
+        "forward, graph kept": forward_with_graph,
         "backward after the layer": backward_after_layer,
     }
     for count in OBJECTS:
-        runs[f"gradcam, {count} object{'s' * (count > 1)}"] = explaining(model, batch, layer, count)
+        runs[f"gradcam, {count} object{'s' * (count > 1)}"] = explaining(model, batch, spots, count)
     return runs
 
 
 def explaining(
-    model: nn.Module, batch: torch.Tensor, layer: str, count: int
+    model: nn.Module, batch: torch.Tensor, spots: list[str], count: int
 ) -> Callable[[], object]:
     """Grad-CAM of the first ``count`` detections, in one call."""
     target = camviz.Detection(list(range(count)))
-    return lambda: camviz.explain(model, batch, layer=layer, target=target).heatmaps
+    return lambda: camviz.explain(model, batch, layer=spots, target=target).heatmaps
 
 
 def timings(runs: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
