@@ -48,9 +48,9 @@ def explained() -> dict[str, torch.Tensor]:
             layer=TARGET_LAYER,
             target=camviz.Detection(best[hit].tolist(), adapter=adapter),
         )
+        assert isinstance(result.heatmaps, torch.Tensor) and result.boxes is not None
         maps.append(result.heatmaps)
         boxes.append(scenes.boxes[n][hit])
-        assert result.boxes is not None
         explained_boxes.append(result.boxes)
         found_boxes.append(found["boxes"][best[hit]])
     return {
