@@ -1,20 +1,30 @@
 """What the perturbation methods (Score-CAM, SS-CAM, Ablation-CAM) share.
 
 They weigh channels by how the explained score changes when the network runs on perturbed
-copies of a sample. The copies are scored in chunks of at most ``batch_size`` rows, so memory
-stays bounded whatever the number of channels, and every rank of a top-k target is scored
-from the same outputs: one perturbed forward pass serves all ranks.
+copies of a sample, and every rank of a top-k target is scored from the same outputs: one
+perturbed forward pass serves all ranks.
+
+Memory: the copies are scored in chunks (:class:`Chunks`) sized from a memory budget and
+what one copy costs the network *from the point where the copies are made to the output*,
+measured on the first pass (:func:`camviz.core.memory.peak_bytes`). The copies alone are a
+poor guide: a detector's heads, or an upsampling decoder, need far more per copy than the
+layer output being copied.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
 
 from camviz.cams.base import CamMethod, ChannelWeighted, LayerData
 from camviz.core.errors import CamvizError
+from camviz.core.memory import default_budget, format_bytes, parse_bytes, peak_bytes
+
+Result = TypeVar("Result")
 
 
 class PerturbationMethod(ChannelWeighted):
@@ -25,21 +35,105 @@ class PerturbationMethod(ChannelWeighted):
     turns each rank's ``(N, C)`` channel weights into a map.
 
     Args:
-        batch_size: Perturbed copies per forward pass (bounds memory); ``None`` lets the
-            method choose for the device.
+        batch_size: Perturbed copies per forward pass. ``None`` (default): as many as fit in
+            ``memory_budget``; a number overrides the budget.
+        memory_budget: The memory, in bytes (an int, or ``"512MiB"``, ``"2GB"``), that the
+            perturbed passes may add at their peak. ``None``: 1 GiB, or on a GPU half of
+            its free memory, at most 8 GiB (:func:`camviz.core.memory.default_budget`).
         eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod`.
+
+    Attributes:
+        copy_bytes: The memory one perturbed copy needed in the last call (measured, see
+            :class:`Chunks`), or ``None`` before it or when ``batch_size`` is given.
     """
 
     uses_gradients = False
 
-    def __init__(self, batch_size: int | None = None, *, eigen_smooth: bool = False) -> None:
+    def __init__(
+        self,
+        batch_size: int | None = None,
+        *,
+        memory_budget: int | str | None = None,
+        eigen_smooth: bool = False,
+    ) -> None:
         super().__init__(eigen_smooth=eigen_smooth)
         self.batch_size = (
             None if batch_size is None else checked_count(self, "batch_size", batch_size)
         )
+        self.memory_budget = None if memory_budget is None else parse_bytes(memory_budget)
+        self.copy_bytes: int | None = None
 
     def channel_weights(self, data: LayerData) -> torch.Tensor:
         return self.rank_weights([data])[0]
+
+    def chunks(self, inputs: torch.Tensor) -> Chunks:
+        """A fresh chunking of the perturbed copies of ``inputs`` (one per kind of pass)."""
+        return Chunks(self, inputs.device, self.copies_cap(inputs))
+
+    def copies_cap(self, inputs: torch.Tensor) -> int | None:
+        """The most copies per pass whatever the budget allows (``None``: no cap)."""
+        return None
+
+
+class Chunks:
+    """How many perturbed copies go in one pass: the budget over what one copy needs.
+
+    Until a size is known, :meth:`split` scores one copy alone and measures the peak memory
+    of that pass: everything it makes, from the perturbed copy through every later layer
+    to the scores. That figure over the rows of the pass is a copy's cost (the parts that
+    do not grow with the rows, such as the layers before Ablation-CAM's target, are counted
+    in full, so a larger chunk needs less than its rows times the figure). Chunks then hold
+    ``max(1, budget // copy cost)`` copies, at most ``cap``; ``batch_size`` overrides it all.
+    A budget below one copy's cost runs one copy per pass, with a warning.
+    """
+
+    def __init__(self, method: PerturbationMethod, device: torch.device, cap: int | None) -> None:
+        self.method = method
+        self.device = device
+        self.cap = cap
+        self.size = method.batch_size
+        self.copy_bytes: int | None = None
+
+    def measured(self, rows: int, run: Callable[[], Result]) -> Result:
+        """``run()``, a pass of ``rows`` copies, measured if no chunk size is known yet."""
+        if self.size is not None or self.copy_bytes is not None:
+            return run()
+        result, peak = peak_bytes(self.device, run)
+        self.copy_bytes = max(1, -(-peak // rows))
+        return result
+
+    def split(
+        self, rows: torch.Tensor, run: Callable[[torch.Tensor], Result]
+    ) -> Iterator[tuple[torch.Tensor, Result]]:
+        """Each chunk of ``rows`` (along dim 0) with ``run(chunk)``, in order."""
+        start = 0
+        while start < len(rows):
+            if self.size is None and self.copy_bytes is None:
+                chunk = rows[start : start + 1]
+                result = self.measured(1, partial(run, chunk))
+            else:
+                chunk = rows[start : start + self.chunk_size()]
+                result = run(chunk)
+            yield chunk, result
+            start += len(chunk)
+
+    def chunk_size(self) -> int:
+        """Copies per pass, once a copy's cost is known (or ``batch_size`` is given)."""
+        if self.size is None:
+            assert self.copy_bytes is not None  # measured by the first pass
+            budget = self.method.memory_budget or default_budget(self.device)
+            fitting = budget // self.copy_bytes
+            if fitting < 1:
+                warnings.warn(
+                    f"{self.method.name}: memory_budget {format_bytes(budget)} is less than "
+                    f"one perturbed copy needs ({format_bytes(self.copy_bytes)}); running one "
+                    "copy per pass",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            self.size = max(1, min(fitting, self.cap or fitting))
+            self.method.copy_bytes = self.copy_bytes
+        return self.size
 
 
 def checked_count(method: CamMethod, option: str, value: int) -> int:
