@@ -136,6 +136,17 @@ class Chunks:
         return self.size
 
 
+def budget_option(method: type[CamMethod], memory_budget: int | str | None) -> dict[str, Any]:
+    """The ``memory_budget`` option for ``method``: ``{"memory_budget": bytes}`` for a
+    perturbation method when a budget is given, else nothing. Jobs that run several methods,
+    or any method, hand one budget to all of them this way (a bad budget fails here, once).
+    """
+    if memory_budget is None:
+        return {}
+    budget = parse_bytes(memory_budget)
+    return {"memory_budget": budget} if issubclass(method, PerturbationMethod) else {}
+
+
 def checked_count(method: CamMethod, option: str, value: int) -> int:
     """``value`` of a method's option if it is a positive int, else a :class:`CamvizError`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -7,7 +7,11 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from camviz.cli.options import add_model_options, add_precision_options
+from camviz.cli.options import (
+    add_memory_budget_option,
+    add_model_options,
+    add_precision_options,
+)
 from camviz.cli.text import printable
 
 if TYPE_CHECKING:
@@ -92,6 +96,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="where the model runs (cpu, cuda, cuda:1); by default this process's GPU if any",
     )
     add_precision_options(parser)
+    add_memory_budget_option(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
 
@@ -143,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         progress=False if args.quiet else None,
         precision=args.precision,
         channels_last=args.channels_last,
+        memory_budget=args.memory_budget,
     )
     if context.is_main:
         _report(manifest, args.out)

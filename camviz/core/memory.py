@@ -100,6 +100,12 @@ class LiveTensorBytes(TorchDispatchMode):
     maximum.
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in dynamo.disable by default, which
+        # imports torch._dynamo (seconds) on the first operator; no compiled code runs here.
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self.storages: dict[int, tuple[StorageWeakRef, int]] = {}

@@ -71,6 +71,7 @@ import torch
 from PIL import Image
 
 from camviz.cams import get as get_method
+from camviz.cams.perturbation import budget_option
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import model_device
 from camviz.core.layers import Layer, resolve_layers
@@ -145,6 +146,7 @@ def explain_files(
     progress: bool | None = False,
     precision: str = "fp32",
     channels_last: bool = False,
+    memory_budget: int | str | None = None,
 ) -> dict[str, Any]:
     """Explain images, folders, globs, path lists and videos; write the results to a folder.
 
@@ -169,6 +171,9 @@ def explain_files(
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` forward passes (see
             :func:`camviz.explain`).
         channels_last: Channels-last inputs for the model (see :func:`camviz.explain`).
+        memory_budget: Bytes (or ``"512MiB"``) that the perturbed passes of Score-CAM,
+            SS-CAM, IS-CAM and Ablation-CAM may add (their ``memory_budget`` option; other
+            methods do not batch copies and ignore it). ``None``: the methods' default.
 
     Returns:
         The summary, as written to ``out_dir/manifest.json`` (settings, counts, failures,
@@ -182,6 +187,7 @@ def explain_files(
     out = Path(out_dir)
     cam = get_method(method)  # an unknown name fails before any work
     method = cam.name
+    method_options = budget_option(cam, memory_budget)  # a bad budget too
     device = model_device(loaded.model) or torch.device("cpu")
     check_precision(precision, device, used=cam.reduced_precision)
     check_out_dir(out)
@@ -219,6 +225,7 @@ def explain_files(
                 progress=progress,
                 precision=precision,
                 channels_last=channels_last,
+                **method_options,
             )
         except OSError as error:  # a full disk, a quota, a folder removed under the run
             reason = error.strerror or type(error).__name__
