@@ -10,11 +10,17 @@ import torch
 from torch import nn
 
 import camviz
-from camviz.cams import create
+from camviz.cams import LayerData, create
 from camviz.cams.perturbation import budget_option
 from camviz.cli import main
 from camviz.core.errors import CamvizError
-from camviz.core.memory import CPU_BUDGET, default_budget, parse_bytes, peak_bytes
+from camviz.core.memory import (
+    CPU_BUDGET,
+    LiveTensorBytes,
+    default_budget,
+    parse_bytes,
+    peak_bytes,
+)
 from camviz.io.models import LoadedModel
 
 # The decoder's upsampled maps: 8 channels of 64 x 64 float64 values, 256 KiB a copy.
@@ -50,6 +56,23 @@ class Decoder(nn.Module):
         return self.head(pooled)
 
 
+class Encoder(nn.Module):
+    """The converse of :class:`Decoder`: a 4x upsampling and a convolution at 64 x 64
+    before the target layer ``body``, then only the head (float64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Upsample(scale_factor=4), nn.Conv2d(3, 8, 3, padding=1), nn.AvgPool2d(4)
+        )
+        self.body = nn.Conv2d(8, 8, 1)
+        self.head = nn.Linear(8, 3)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.stem(x)).mean(dim=(2, 3)))
+
+
 class PassRows:
     """The rows of every forward pass of ``module`` (a pre-hook)."""
 
@@ -60,20 +83,37 @@ class PassRows:
         )
 
 
+@pytest.fixture
+def pass_peaks(monkeypatch) -> list[int]:
+    """The peak memory of every perturbed pass (each :meth:`LayerData.run` that returns)."""
+    peaks: list[int] = []
+    run = LayerData.run
+
+    def measured_run(self, inputs, rows=None):
+        with LiveTensorBytes() as live:
+            output = run(self, inputs, rows)
+        peaks.append(live.peak)
+        return output
+
+    monkeypatch.setattr(LayerData, "run", measured_run)
+    return peaks
+
+
 @pytest.fixture(scope="module")
 def inputs() -> torch.Tensor:
     return torch.rand(2, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
 
 def explained(model, inputs, method, **options):
-    """The explanation, the rows of each pass of the head after the plain pass, the method."""
+    """The explanation, the method, and the rows of each pass of the head after the plain
+    pass."""
     cam = create(method, **options)
     counted = PassRows(model.head)
     try:
         result = camviz.explain(model, inputs, cam, layer="body", target=0)
     finally:
         counted.handle.remove()
-    return result, counted.rows[1:], cam
+    return result, cam, counted.rows[1:]
 
 
 @pytest.mark.filterwarnings("ignore:ablationcam. the layers after")
@@ -83,23 +123,18 @@ def explained(model, inputs, method, **options):
     ids=["scorecam", "ablationcam", "ablationcam-fallback"],
 )
 def test_chunks_hold_as_many_copies_as_the_budget_allows_for_the_measured_cost(
-    method, concat, inputs
+    method, concat, inputs, pass_peaks
 ):
     model = Decoder(concat)
-    _, _, measuring = explained(model, inputs, method)
-    copy_bytes = measuring.copy_bytes
-    budget = int(3.5 * copy_bytes)
-    _, rows, cam = explained(model, inputs, method, memory_budget=budget)
-    assert cam.copy_bytes == copy_bytes
-    # The first pass is the measured one (Ablation-CAM's shortcut also checks an unablated
-    # row); every later pass holds budget // cost copies, the last one what is left.
-    # The fallback's shortcut fails before the head, then a whole-network copy is measured.
-    measured = [2] if method == "ablationcam" and not concat else [1]
-    assert rows[: len(measured)] == measured
-    later = rows[len(measured) :]
-    assert max(later) == budget // copy_bytes == 3
-    copies = 2 * 8 if method == "ablationcam" else sum(rows)  # Ablation-CAM: every channel
-    assert sum(rows) == copies + (1 if method == "ablationcam" and not concat else 0)
+    copy = explained(model, inputs, method)[1].copy_bytes
+    budget = int(3.5 * copy)
+    pass_peaks.clear()
+    rows = explained(model, inputs, method, memory_budget=budget)[2]
+    # The first pass holds one copy (Ablation-CAM's shortcut also checks an unablated row),
+    # every later one at most what the budget allows, and no pass peaks above the budget.
+    assert rows[0] == (2 if method == "ablationcam" and not concat else 1)
+    assert max(rows) == 3
+    assert max(pass_peaks) <= budget
     # Sized from the copies of the 8 x 16 x 16 layer output alone, one pass would hold them all.
     assert budget // (8 * 16 * 16 * 8) > sum(rows)
 
@@ -128,7 +163,7 @@ def test_a_budget_below_one_copy_runs_one_copy_per_pass_and_says_so(method, inpu
     model = Decoder()
     options = {"num_samples": 2} if method == "iscam" else {}
     with pytest.warns(RuntimeWarning, match="less than one perturbed copy needs") as caught:
-        _, rows, _ = explained(model, inputs, method, memory_budget="1 KiB", **options)
+        rows = explained(model, inputs, method, memory_budget="1 KiB", **options)[2]
     (warning,) = [w for w in caught if "memory_budget" in str(w.message)]
     assert "\n" not in str(warning.message)
     # Ablation-CAM's first pass carries the unablated check row.
@@ -139,17 +174,31 @@ def test_batch_size_overrides_the_budget(inputs):
     model = Decoder()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _, rows, cam = explained(model, inputs, "ablationcam", batch_size=4, memory_budget=1)
+        _, cam, rows = explained(model, inputs, "ablationcam", batch_size=4, memory_budget=1)
     assert rows == [5, 4, 4, 4]  # 2 samples x 8 channels; the first pass also checks
     assert cam.copy_bytes is None
 
 
 @pytest.mark.parametrize("method", ["scorecam", "ablationcam"])
-def test_the_cost_of_a_copy_is_what_the_later_layers_hold_at_once(method, inputs):
+def test_a_copy_costs_what_the_later_layers_hold_at_once(method, inputs):
     """At the decoder's convolution, its input and its output are alive: 512 KiB a copy.
     The target layer's output (16 KiB) and the stem are small beside it."""
-    _, _, cam = explained(Decoder(), inputs, method)
+    cam = explained(Decoder(), inputs, method)[1]
     assert 2 * UPSAMPLED_BYTES <= cam.copy_bytes <= 1.2 * 2 * UPSAMPLED_BYTES
+
+
+def test_what_does_not_grow_with_the_copies_is_shared_by_larger_chunks(inputs, pass_peaks):
+    """Ablation-CAM after :class:`Encoder`'s big layers: the first pass's peak (the encoder
+    on one sample) over its two rows bounds a copy at first; larger passes, measured while
+    they grow, tighten the bound, and none peaks above the budget."""
+    model = Encoder()
+    encoder = (3 + 8) * 64 * 64 * 8  # the upsampled input and the convolution's output
+    budget = 2 * encoder
+    _, cam, rows = explained(model, inputs, "ablationcam", memory_budget=budget)
+    # The first bound (the encoder over 2 rows) allows 3 copies; that pass's bound, more.
+    assert rows[:2] == [2, 3] and max(rows) > 3
+    assert cam.copy_bytes < encoder / 2
+    assert max(pass_peaks) <= budget
 
 
 def test_live_tensor_bytes_count_frees_and_functional_code():

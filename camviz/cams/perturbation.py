@@ -43,8 +43,9 @@ class PerturbationMethod(ChannelWeighted):
         eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod`.
 
     Attributes:
-        copy_bytes: The memory one perturbed copy needed in the last call (measured, see
-            :class:`Chunks`), or ``None`` before it or when ``batch_size`` is given.
+        copy_bytes: What one perturbed copy cost in the last call's largest measured pass
+            (its peak over its rows, see :class:`Chunks`); ``None`` before a call, or when
+            ``batch_size`` is given.
     """
 
     uses_gradients = False
@@ -76,15 +77,19 @@ class PerturbationMethod(ChannelWeighted):
 
 
 class Chunks:
-    """How many perturbed copies go in one pass: the budget over what one copy needs.
+    """How many perturbed copies go in one pass: as many as the budget holds, from what the
+    first passes were measured to need.
 
     Until a size is known, :meth:`split` scores one copy alone and measures the peak memory
-    of that pass: everything it makes, from the perturbed copy through every later layer
-    to the scores. That figure over the rows of the pass is a copy's cost (the parts that
-    do not grow with the rows, such as the layers before Ablation-CAM's target, are counted
-    in full, so a larger chunk needs less than its rows times the figure). Chunks then hold
-    ``max(1, budget // copy cost)`` copies, at most ``cap``; ``batch_size`` overrides it all.
-    A budget below one copy's cost runs one copy per pass, with a warning.
+    of that pass (:func:`~camviz.core.memory.peak_bytes`): everything it makes, from the
+    perturbed copy through every later layer to the scores. A pass's peak over its rows,
+    ``copy_bytes``, bounds what each copy costs in any larger pass: the peak grows at most
+    in proportion to the rows, since part of it does not grow at all (Ablation-CAM's layers
+    before its target run on one sample, whatever the copies). Chunks hold
+    ``budget // copy_bytes`` copies, at most ``cap``; while that grows, each pass is measured
+    again and the bound tightens (a pass of ``n`` copies peaks at most at ``n`` times the
+    bound from a smaller pass). ``batch_size`` overrides it all. A budget below one copy runs
+    one copy per pass, with a warning.
     """
 
     def __init__(self, method: PerturbationMethod, device: torch.device, cap: int | None) -> None:
@@ -92,14 +97,20 @@ class Chunks:
         self.device = device
         self.cap = cap
         self.size = method.batch_size
-        self.copy_bytes: int | None = None
+        self.measuring = method.batch_size is None
+        self.measured_rows = 0
+        self.copy_bytes = 0
+        self.warned = False
 
     def measured(self, rows: int, run: Callable[[], Result]) -> Result:
-        """``run()``, a pass of ``rows`` copies, measured if no chunk size is known yet."""
-        if self.size is not None or self.copy_bytes is not None:
+        """``run()``, a pass of ``rows`` copies, measured while the chunks still grow."""
+        if not self.measuring or rows <= self.measured_rows:
             return run()
         result, peak = peak_bytes(self.device, run)
+        self.measured_rows = rows
         self.copy_bytes = max(1, -(-peak // rows))
+        previous, self.size = self.size, None
+        self.measuring = previous is None or self.chunk_size() > previous
         return result
 
     def split(
@@ -108,22 +119,18 @@ class Chunks:
         """Each chunk of ``rows`` (along dim 0) with ``run(chunk)``, in order."""
         start = 0
         while start < len(rows):
-            if self.size is None and self.copy_bytes is None:
-                chunk = rows[start : start + 1]
-                result = self.measured(1, partial(run, chunk))
-            else:
-                chunk = rows[start : start + self.chunk_size()]
-                result = run(chunk)
-            yield chunk, result
+            size = self.chunk_size() if self.measured_rows or self.size else 1
+            chunk = rows[start : start + size]
+            yield chunk, self.measured(len(chunk), partial(run, chunk))
             start += len(chunk)
 
     def chunk_size(self) -> int:
-        """Copies per pass, once a copy's cost is known (or ``batch_size`` is given)."""
+        """Copies per pass, once a pass was measured (or ``batch_size`` is given)."""
         if self.size is None:
-            assert self.copy_bytes is not None  # measured by the first pass
             budget = self.method.memory_budget or default_budget(self.device)
             fitting = budget // self.copy_bytes
-            if fitting < 1:
+            if fitting < 1 and not self.warned:
+                self.warned = True
                 warnings.warn(
                     f"{self.method.name}: memory_budget {format_bytes(budget)} is less than "
                     f"one perturbed copy needs ({format_bytes(self.copy_bytes)}); running one "
