@@ -1,4 +1,4 @@
-"""What the perturbation methods (Score-CAM, SS-CAM, Ablation-CAM) share.
+"""What the perturbation methods (Score-CAM, SS-CAM, IS-CAM, Ablation-CAM) share.
 
 They weigh channels by how the explained score changes when the network runs on perturbed
 copies of a sample, and every rank of a top-k target is scored from the same outputs: one
@@ -6,7 +6,7 @@ perturbed forward pass serves all ranks.
 
 Memory: the copies are scored in chunks (:class:`Chunks`) sized from a memory budget and
 what one copy costs the network *from the point where the copies are made to the output*,
-measured on the first pass (:func:`camviz.core.memory.peak_bytes`). The copies alone are a
+measured on the first passes (:func:`camviz.core.memory.peak_bytes`). The copies alone are a
 poor guide: a detector's heads, or an upsampling decoder, need far more per copy than the
 layer output being copied.
 """
@@ -25,6 +25,11 @@ from camviz.core.errors import CamvizError
 from camviz.core.memory import default_budget, format_bytes, parse_bytes, peak_bytes
 
 Result = TypeVar("Result")
+
+# The share of the budget that chunks of copies fill: the measured bytes are those of live
+# tensors; the allocator's own overhead (malloc's arenas, CUDA's block rounding) and what
+# the engine holds during the passes (the recorded activations) come on top.
+BUDGET_FILL = 0.9
 
 
 class PerturbationMethod(ChannelWeighted):
@@ -86,10 +91,10 @@ class Chunks:
     ``copy_bytes``, bounds what each copy costs in any larger pass: the peak grows at most
     in proportion to the rows, since part of it does not grow at all (Ablation-CAM's layers
     before its target run on one sample, whatever the copies). Chunks hold
-    ``budget // copy_bytes`` copies, at most ``cap``; while that grows, each pass is measured
-    again and the bound tightens (a pass of ``n`` copies peaks at most at ``n`` times the
-    bound from a smaller pass). ``batch_size`` overrides it all. A budget below one copy runs
-    one copy per pass, with a warning.
+    ``BUDGET_FILL * budget // copy_bytes`` copies, at most ``cap``; while that grows, each
+    pass is measured again and the bound tightens (a pass of ``n`` copies peaks at most at
+    ``n`` times the bound from a smaller pass). ``batch_size`` overrides it all. A budget
+    below one copy runs one copy per pass, with a warning.
     """
 
     def __init__(self, method: PerturbationMethod, device: torch.device, cap: int | None) -> None:
@@ -128,7 +133,7 @@ class Chunks:
         """Copies per pass, once a pass was measured (or ``batch_size`` is given)."""
         if self.size is None:
             budget = self.method.memory_budget or default_budget(self.device)
-            fitting = budget // self.copy_bytes
+            fitting = int(budget * BUDGET_FILL) // self.copy_bytes
             if fitting < 1 and not self.warned:
                 self.warned = True
                 warnings.warn(
