@@ -41,6 +41,7 @@ from bench_gradcam import _status_kib
 
 import camviz
 from camviz.cams import create
+from camviz.cams.perturbation import BUDGET_FILL
 from camviz.core.memory import default_budget, format_bytes, parse_bytes
 
 CASES = {
@@ -88,7 +89,7 @@ def child(case: str, budget: str) -> None:
         "extra_mib": (_status_kib("VmHWM") - baseline) / 1024,
         "budget_mib": bytes_budget / 2**20,
         "copy_mib": copy_bytes / 2**20,
-        "per_pass": max(1, min(bytes_budget // copy_bytes, cap)),
+        "per_pass": max(1, min(int(bytes_budget * BUDGET_FILL) // copy_bytes, cap)),
         "seconds": seconds,
     }
     print(json.dumps(result))

@@ -11,7 +11,7 @@ from torch import nn
 
 import camviz
 from camviz.cams import LayerData, create
-from camviz.cams.perturbation import budget_option
+from camviz.cams.perturbation import BUDGET_FILL, budget_option
 from camviz.cli import main
 from camviz.core.errors import CamvizError
 from camviz.core.memory import (
@@ -127,14 +127,14 @@ def test_chunks_hold_as_many_copies_as_the_budget_allows_for_the_measured_cost(
 ):
     model = Decoder(concat)
     copy = explained(model, inputs, method)[1].copy_bytes
-    budget = int(3.5 * copy)
+    budget = int(3.5 * copy / BUDGET_FILL)  # chunks fill BUDGET_FILL of it: 3.5 copies
     pass_peaks.clear()
     rows = explained(model, inputs, method, memory_budget=budget)[2]
     # The first pass holds one copy (Ablation-CAM's shortcut also checks an unablated row),
-    # every later one at most what the budget allows, and no pass peaks above the budget.
+    # every later one at most what the budget allows, and no pass peaks above its share.
     assert rows[0] == (2 if method == "ablationcam" and not concat else 1)
     assert max(rows) == 3
-    assert max(pass_peaks) <= budget
+    assert max(pass_peaks) <= BUDGET_FILL * budget
     # Sized from the copies of the 8 x 16 x 16 layer output alone, one pass would hold them all.
     assert budget // (8 * 16 * 16 * 8) > sum(rows)
 
@@ -190,15 +190,15 @@ def test_a_copy_costs_what_the_later_layers_hold_at_once(method, inputs):
 def test_what_does_not_grow_with_the_copies_is_shared_by_larger_chunks(inputs, pass_peaks):
     """Ablation-CAM after :class:`Encoder`'s big layers: the first pass's peak (the encoder
     on one sample) over its two rows bounds a copy at first; larger passes, measured while
-    they grow, tighten the bound, and none peaks above the budget."""
+    they grow, tighten the bound, and none peaks above its share of the budget."""
     model = Encoder()
     encoder = (3 + 8) * 64 * 64 * 8  # the upsampled input and the convolution's output
-    budget = 2 * encoder
+    budget = int(2 * encoder / BUDGET_FILL)
     _, cam, rows = explained(model, inputs, "ablationcam", memory_budget=budget)
     # The first bound (the encoder over 2 rows) allows 3 copies; that pass's bound, more.
     assert rows[:2] == [2, 3] and max(rows) > 3
     assert cam.copy_bytes < encoder / 2
-    assert max(pass_peaks) <= budget
+    assert max(pass_peaks) <= BUDGET_FILL * budget
 
 
 def test_live_tensor_bytes_count_frees_and_functional_code():
