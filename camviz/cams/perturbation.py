@@ -28,9 +28,9 @@ Result = TypeVar("Result")
 
 # The share of the budget that chunks of copies fill. What is measured is live tensor bytes
 # (or CUDA's allocated bytes); the allocator keeps more: glibc's heap holds on to freed
-# blocks, so a process's resident size grew to 1.6x the live bytes of a Faster R-CNN pass
+# blocks, so a process's resident size grew to 1.7x the live bytes of Faster R-CNN passes
 # (benchmarks/bench_memory.py), and the engine's recorded activations are held meanwhile.
-BUDGET_FILL = 0.6
+BUDGET_FILL = 0.5
 
 
 class PerturbationMethod(ChannelWeighted):
