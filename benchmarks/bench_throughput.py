@@ -46,8 +46,9 @@ from camviz.pipeline.job import Outputs, explain_files
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
-def make_images(folder: Path, count: int) -> list[Path]:
-    """``count`` distinct 4:3 crops of the shipped photos, every other one mirrored."""
+def make_images(folder: Path, count: int, suffix: str = ".png") -> list[Path]:
+    """``count`` distinct 4:3 crops of the shipped photos, every other one mirrored, saved
+    with ``suffix`` (``".jpg"``: JPEG at quality 90, as camera photos come)."""
     photos = [Image.open(ASSETS / name).convert("RGB") for name in ("chelsea.png", "coffee.png")]
     paths = []
     for number in range(count):
@@ -60,8 +61,8 @@ def make_images(folder: Path, count: int) -> list[Path]:
         crop = crop.resize((400, 300))
         if number % 2:
             crop = ImageOps.mirror(crop)
-        path = folder / f"{number:03d}.png"
-        crop.save(path)
+        path = folder / f"{number:03d}{suffix}"
+        crop.save(path, quality=90)
         paths.append(path)
     return paths
 

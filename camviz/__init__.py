@@ -30,6 +30,8 @@ _EXPORTS = {
     "CamvizError": "camviz.core.errors:CamvizError",
     "Concepts": "camviz.cams.factorization:Concepts",
     "Contrast": "camviz.core.targets:Contrast",
+    "DenseDetections": "camviz.core.detection:DenseDetections",
+    "Detection": "camviz.core.detection:Detection",
     "Explanation": "camviz.cams.engine:Explanation",
     "GradientMonitor": "camviz.debug.monitor:GradientMonitor",
     "ImageResult": "camviz.pipeline.dataset:ImageResult",
@@ -103,6 +105,8 @@ if TYPE_CHECKING:
     from camviz.cams.engine import explain as explain
     from camviz.cams.factorization import Concepts as Concepts
     from camviz.cams.factorization import factorize as factorize
+    from camviz.core.detection import DenseDetections as DenseDetections
+    from camviz.core.detection import Detection as Detection
     from camviz.core.errors import CamvizError as CamvizError
     from camviz.core.errors import NonFiniteError as NonFiniteError
     from camviz.core.hooks import capture as capture

@@ -84,7 +84,7 @@ def test_one_element_of_a_tuple_or_dict_output(untouched):
 @pytest.mark.parametrize(
     ("layer", "message"),
     [
-        ("block", "gives a tuple, not a tensor; pick .* 'name\\[0\\]'"),
+        ("block", "gives a tuple with no feature map of the input's rank .* 'name\\[0\\]'"),
         ("block[2]", r"has no element \[2\] in a tuple"),
         ("block[1][maps]", r"has no element \[maps\] in a dict with keys \['map', 'doubled'\]"),
         ("block[0]", r"outputs shape \(2, 5\), not a feature map"),

@@ -311,6 +311,22 @@ def test_failed_torchvision_download_says_what_to_do(empty_torch_hub, monkeypatc
     assert caught.value.__cause__ is error
 
 
+def test_a_detector_whose_weights_fail_is_not_offered_the_offline_classifier(
+    empty_torch_hub, monkeypatch
+):
+    def fail(url: str, destination: str, *args: object, **kwargs: object) -> None:
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", fail)
+
+    with pytest.raises(CamvizError) as caught:
+        models.load("fasterrcnn_mobilenet_v3_large_320_fpn")
+
+    message = str(caught.value)
+    assert "--weights PATH" in message and "\n" not in message
+    assert "efficientnet_lite0" not in message
+
+
 @pytest.fixture
 def refusing_proxy(monkeypatch) -> Iterator[None]:
     """Route HTTPS through a local port that refuses connections: a real, instant failure.
@@ -392,11 +408,14 @@ def test_unknown_timm_name_suggests_timm_names():
         models.load("timm:resnet50x")
 
 
-def test_available_lists_the_offline_model_and_every_torchvision_classifier():
+def test_available_lists_the_offline_model_and_every_torchvision_model():
     names = models.available()
 
+    modules = ("segmentation", "detection", "video")
+    tasks = (torchvision.models, *(getattr(torchvision.models, task) for task in modules))
+    every = [name for module in tasks for name in torchvision.models.list_models(module=module)]
     assert names[0] == "efficientnet_lite0"
-    assert sorted(names[1:]) == sorted(torchvision.models.list_models(module=torchvision.models))
+    assert sorted(names[1:]) == sorted(every)
 
 
 def test_importing_models_does_not_import_torchvision_or_timm():

@@ -23,6 +23,7 @@ from torch import nn
 
 from camviz.cams.projection import first_principal_component
 from camviz.core.errors import CamvizError
+from camviz.core.placement import Placement, Stretch
 
 if TYPE_CHECKING:
     from camviz.cams.layout import Layout
@@ -49,6 +50,10 @@ class LayerData:
             ``activations`` is its ``(N, C, h, w)`` view), for methods that edit the layer.
         hessian_products: ``H A``, the Hessian of ``y`` with respect to ``A`` applied to ``A``
             (same shape), for methods that ask for it (``uses_hessian``); else ``None``.
+        batch: The model's inputs, for methods that run the model again (:meth:`run`).
+        placement: Where the layer's grid lies on the map input (a detector resizes and pads
+            its images; :mod:`camviz.core.placement`); ``None``: it covers the whole input.
+            Methods lay grid maps on the input with :meth:`on_input`, never by resizing.
 
     ``score_fn(output, samples)`` also scores perturbed batches: ``samples`` is the ``(R,)``
     index of the input each output row was made from (``None``: row ``n`` is input ``n``).
@@ -65,6 +70,13 @@ class LayerData:
     layout: Layout | None = None
     hessian_products: torch.Tensor | None = None
     batch: Inputs | None = None
+    placement: Placement | None = None
+
+    def on_input(self, maps: torch.Tensor, samples: torch.Tensor | None = None) -> torch.Tensor:
+        """``(R, *grid)`` maps at the layer's grid laid on the map input, ``(R, *spatial)``;
+        row ``r`` belongs to sample ``samples[r]`` (``None``: to sample ``r``)."""
+        placement = self.placement or Stretch(tuple(self.inputs.shape[2:]))
+        return placement.lay(maps, samples)
 
     def run(self, inputs: torch.Tensor, rows: torch.Tensor | None = None) -> object:
         """The model's output with the map input replaced by ``inputs``, whose row ``r`` was

@@ -42,21 +42,34 @@ from torch import nn
 from camviz.cams.base import CamMethod, ChannelWeighted, LayerData
 from camviz.cams.layout import Layout, as_spatial, layout_kind, layout_of, patch_size
 from camviz.cams.registry import create
+from camviz.core.detection import Detection, DetectionScore, Followed
 from camviz.core.errors import CamvizError, NonFiniteError
 from camviz.core.finite import first_nonfinite_layer, is_finite
 from camviz.core.hooks import detach_to
-from camviz.core.inputs import Inputs, Key, as_inputs
+from camviz.core.inputs import Inputs, Key, as_inputs, corner
 from camviz.core.layerkinds import CallLog, Kind, module_kind, record_calls
 from camviz.core.layers import Layer, default_target_layer
 from camviz.core.maps import normalize as normalize_maps
 from camviz.core.maps import normalize_signed, upsample
 from camviz.core.modelstate import eval_mode, exclusive, uncompiled
+from camviz.core.placement import Placement, recording
 from camviz.core.precision import Precision, at_least_fp32, check_precision, forward_precision
 from camviz.core.similarity import Similarity
-from camviz.core.taps import At, edit_spots, parse, spot_keys
+from camviz.core.taps import (
+    At,
+    edit_spots,
+    element_key,
+    map_elements,
+    parse,
+    replace,
+    select,
+    spot_keys,
+)
 from camviz.core.targets import Contrast, Region, ScoreFn, Target, score_fns
 
 Fuse = Literal["mean", "max", "product"]
+# Maps on the input: an (M, *spatial) tensor, or one (h_n, w_n) map each for a list of images.
+Maps = torch.Tensor | list[torch.Tensor]
 
 # as_spatial is re-exported: methods that run their own layer passes use it.
 __all__ = ["Explanation", "LayerPass", "as_spatial", "explain", "layer_data", "layer_pass"]
@@ -82,26 +95,36 @@ class Explanation:
             ``relu=False`` they keep their sign (normalised: divided by their largest
             absolute value); with ``normalize=False`` they are in the method's own units,
             and with several layers they hold the first layer's map (raw maps of different
-            layers are not fused; see ``maps_by_layer``).
+            layers are not fused; see ``maps_by_layer``). For a list of images given to a
+            detector, a list of ``M`` maps ``(h_n, w_n)``, each at its own image's size and
+            normalised over it (``heatmaps[m]`` is the map of image ``samples[m]``). A
+            detector's maps are laid back on each image through its own resize and padding
+            (:mod:`camviz.core.placement`).
         layer_maps: ``(M, *grid)`` maps of the (first) target layer at its own resolution
-            (at the input's for methods with ``input_resolution``), processed as
-            ``heatmaps``.
+            (at the input's for methods with ``input_resolution``; a detector's grid covers
+            its own resized and padded batch), processed as ``heatmaps``.
         maps_by_layer: ``{layer: (M, *grid)}`` for every target layer.
         targets: ``(M,)`` explained class ids (``-1`` when the target was a callable).
         scores: ``(M,)`` explained scores (logits) from the forward pass.
         samples: ``(M,)`` index of the input each map belongs to.
         output: The model's output for the batch, detached.
         method: The method's registry name.
-        layers: The target layer spots (names; ``"name:input"`` for ``at="input"``).
+        layers: The target layer spots (names; ``"name:input"`` for ``at="input"``; a
+            layer whose output is a tuple, list or dict of feature maps appears as its
+            maps' element spots, e.g. ``["backbone[0]", "backbone[1]", "backbone[pool]"]``).
         weights: ``{layer: (M, C)}`` channel weights for the methods whose map is a weighted
             sum of channels (Grad-CAM, Grad-CAM++, XGrad-CAM, Score-CAM, SS-CAM,
             Ablation-CAM ...), from the plain pass; ``None`` for the others.
         maps_by_input: For input-gradient methods (vanilla gradients, Guided Backprop),
             ``{input position or name: (M, *spatial)}`` for every input with spatial axes,
-            processed as ``heatmaps``; ``None`` for the others.
+            processed as ``heatmaps`` (a list of maps for a list of images); ``None`` for the
+            others.
+        boxes: For a :class:`~camviz.core.detection.Detection` target, ``(M, 4)`` the box
+            of each explained detection (``x0, y0, x1, y1`` in the input's pixels);
+            ``None`` for other targets.
     """
 
-    heatmaps: torch.Tensor
+    heatmaps: Maps
     layer_maps: torch.Tensor
     maps_by_layer: dict[str, torch.Tensor]
     targets: torch.Tensor
@@ -111,7 +134,8 @@ class Explanation:
     method: str
     layers: list[str]
     weights: dict[str, torch.Tensor] | None = None
-    maps_by_input: dict[Key, torch.Tensor] | None = None
+    maps_by_input: dict[Key, Maps] | None = None
+    boxes: torch.Tensor | None = None
 
 
 @dataclass
@@ -129,6 +153,8 @@ class LayerPass:
         score_fns: One function per rank from a model output to ``(N,)`` scores.
         class_ids: ``(N, K)`` explained classes, or ``None`` for a callable target.
         calls: Every module call of the pass, when asked for (to tell layouts).
+        placement: Where the layers' grids lie on the map input
+            (:mod:`camviz.core.placement`).
     """
 
     output: Any
@@ -138,30 +164,54 @@ class LayerPass:
     score_fns: list[ScoreFn]
     class_ids: torch.Tensor | None
     hessian_products: dict[str, list[torch.Tensor]]
+    placement: Placement
     calls: CallLog | None = None
 
 
 class _Tap:
-    """The forward-hook edit on one target spot (see the module docstring, step 2)."""
+    """The forward-hook edit on one target spot (see the module docstring, step 2).
 
-    def __init__(self, name: str, open_gradient_path: bool) -> None:
+    A spot that holds a tuple, list or dict (an FPN's levels) is tapped at each of its
+    feature maps (:func:`camviz.core.taps.map_elements`), recorded under their element spots.
+    """
+
+    def __init__(self, name: str, open_gradient_path: bool, rank: int) -> None:
         self.name = name
         self.open_gradient_path = open_gradient_path
-        self.activation: torch.Tensor | None = None
-        self.delta: torch.Tensor | None = None
+        self.rank = rank
+        self.ran = False
+        self.activations: dict[str, torch.Tensor] = {}
+        self.deltas: dict[str, torch.Tensor] = {}
 
-    def __call__(self, output: torch.Tensor) -> torch.Tensor:
-        if self.activation is not None:
+    def __call__(self, output: Any) -> Any:
+        if self.ran:
             raise CamvizError(
                 f"layer {self.name!r} runs more than once in one forward pass (a shared "
                 "module); pick a layer that runs once"
             )
-        self.activation = output.detach().clone()
+        self.ran = True
+        if isinstance(output, torch.Tensor):
+            return self._tapped(self.name, output)
+        items = map_elements(output, self.rank)
+        if not items:
+            raise CamvizError(
+                f"layer {self.name!r} gives a {type(output).__name__} with no feature map of "
+                f"the input's rank ({self.rank + 2}-D tensors); pick a layer that outputs one, "
+                "or one element of it as 'name[0]' or 'name[key]'"
+            )
+        for item in items:
+            key = element_key(self.name, item)
+            output = replace(output, (item,), self._tapped(key, select(output, (item,), key)))
+        return output
+
+    def _tapped(self, key: str, output: torch.Tensor) -> torch.Tensor:
+        self.activations[key] = output.detach().clone()
         if not self.open_gradient_path:
             return output
         torch.set_grad_enabled(True)  # undone when the caller's no_grad block ends
-        self.delta = torch.zeros_like(output, requires_grad=True)
-        return output + self.delta
+        delta = torch.zeros_like(output, requires_grad=True)
+        self.deltas[key] = delta
+        return output + delta
 
 
 def layer_pass(
@@ -180,7 +230,9 @@ def layer_pass(
     The building block under every method: :func:`explain` calls it once, and methods
     that average over noisy or augmented inputs call it once per variant. The model must
     already be in the mode wanted (``explain`` puts it in eval mode). ``layers`` are spot
-    keys (:mod:`camviz.core.taps`); ``hessian=True`` (with ``gradients``) also records ``H A``
+    keys (:mod:`camviz.core.taps`); one whose output is a tuple, list or dict is recorded at
+    each of its feature maps, under their element spots (the keys of
+    :attr:`LayerPass.activations`); ``hessian=True`` (with ``gradients``) also records ``H A``
     at each layer (see the module docstring); ``record`` also logs every module call (for
     layouts).
     """
@@ -200,29 +252,29 @@ def _layer_pass(
     hessian: bool = False,
     record: bool = False,
 ) -> LayerPass:
-    taps = {name: _Tap(name, gradients) for name in layers}
+    taps = {name: _Tap(name, gradients, batch.main.dim() - 2) for name in layers}
     log = None
-    with edit_spots(model, taps), torch.no_grad():
+    with edit_spots(model, taps, containers=True), recording(model) as placed, torch.no_grad():
         if record:
             with record_calls(model) as log:
                 output = batch(model)
         else:
             output = batch(model)
-    activations = {}
-    deltas = []  # one per layer when gradients are asked for (the strict zip below checks)
+    activations: dict[str, torch.Tensor] = {}
+    deltas: dict[str, torch.Tensor] = {}  # one per spot when gradients are asked for
     for tap in taps.values():
-        if tap.activation is None:
+        if not tap.ran:
             raise CamvizError(
                 f"layer {tap.name!r} did not run in the forward pass; pick a layer that the "
                 "model uses (`camviz layers` lists them with shapes)"
             )
-        activations[tap.name] = tap.activation
-        if tap.delta is not None:
-            deltas.append(tap.delta)
+        activations.update(tap.activations)
+        deltas.update(tap.deltas)
+    spots = list(activations)  # container spots expanded into their feature maps
     fns, ids = score_fns(target, output, output_key)
-    per_rank: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if gradients else {}
+    per_rank: dict[str, list[torch.Tensor]] = {name: [] for name in spots} if gradients else {}
     hessian = hessian and gradients
-    products: dict[str, list[torch.Tensor]] = {name: [] for name in layers} if hessian else {}
+    products: dict[str, list[torch.Tensor]] = {name: [] for name in spots} if hessian else {}
     scores = []
     with torch.enable_grad():
         for rank, score_fn in enumerate(fns):
@@ -238,12 +290,12 @@ def _layer_pass(
                 )
             grads = torch.autograd.grad(
                 score.sum(),
-                deltas,
+                list(deltas.values()),
                 retain_graph=hessian or rank < len(fns) - 1,
                 create_graph=hessian,
                 allow_unused=True,
             )
-            for name, delta, grad in zip(layers, deltas, grads, strict=True):
+            for (name, delta), grad in zip(deltas.items(), grads, strict=True):
                 per_rank[name].append(
                     at_least_fp32(torch.zeros_like(delta) if grad is None else grad.detach())
                 )
@@ -258,6 +310,7 @@ def _layer_pass(
         score_fns=fns,
         class_ids=ids,
         hessian_products=products,
+        placement=placed.placement(batch.main.shape[2:], batch.image_sizes, batch.size),
         calls=log,
     )
 
@@ -308,14 +361,18 @@ def explain(
         inputs: The batch, already preprocessed and moved to the model's device: an
             ``(N, C, L)``, ``(N, C, H, W)`` or ``(N, C, D, H, W)`` tensor (one ``(C, H, W)``
             image for a 2-D image model), a tuple of inputs passed positionally or a dict
-            passed as keywords (:mod:`camviz.core.inputs`).
+            passed as keywords (:mod:`camviz.core.inputs`); for a torchvision detector, also
+            a list of ``(3, H_n, W_n)`` images of any sizes (a list of maps out).
         method: A registry name (:func:`camviz.cams.names`) or a method instance.
         layer: Target layer(s): names, wildcard patterns or submodules of the model,
             or a list of them; ``"name[0]"`` / ``"name[key]"`` takes one element of
-            a tuple, list or dict output (:mod:`camviz.core.taps`). ``None`` picks the last
-            layer with a spatial output, or for a vision transformer the norm before its
-            last attention (:func:`camviz.core.layers.default_target_layer`; found once per
-            model with a one-sample dry run).
+            a tuple, list or dict output (:mod:`camviz.core.taps`); a layer whose output is
+            a tuple, list or dict of feature maps (an FPN's levels) gives one map per level,
+            fused like several layers. ``None`` picks a torchvision detector's FPN (its
+            ``backbone``) or a segmentation model's last backbone stage, else the last layer
+            with a spatial output, or for a vision transformer the norm before its last
+            attention (:func:`camviz.core.layers.default_target_layer`; found once per model,
+            with a one-sample dry run unless the model's family decides).
         target: What to explain; see :mod:`camviz.core.targets` (class id, list of ids, ``None``
             for top-1, or the output itself when it is one number per sample, ``"top3"``,
             :class:`~camviz.core.targets.Region`, :class:`~camviz.core.targets.Contrast`,
@@ -387,6 +444,11 @@ def explain(
     target = cam.explained_target(target)
     scales = _aug_scales(aug_smooth, target)
     batch = as_inputs(inputs, model, map_input)
+    if scales and batch.image_sizes is not None:
+        raise CamvizError(
+            "aug_smooth cannot rescale a list of images; explain them without aug_smooth, "
+            "or as one (N, 3, H, W) batch of one size"
+        )
     rank = batch.main.dim() - 2
     if rank not in cam.spatial_ranks:
         shapes = {1: "signals (N, C, L)", 2: "images (N, C, H, W)", 3: "volumes (N, C, D, H, W)"}
@@ -418,18 +480,27 @@ def explain(
             record=any(_known_kind(model, name, batch, given) is None for name in layers),
         )
         _check_finite(model, batch, recorded)
+        if list(recorded.activations) != layers:  # a container output: one spot per level
+            given = _element_kinds(given, list(recorded.activations))
+            layers = list(recorded.activations)
         kinds = {name: _kind(model, name, batch, given, recorded) for name in layers}
         raw, weights, by_input = _layer_maps(cam, model, batch, recorded, kinds)
         if layer is None:
             _check_default_layer(model, batch, raw, recorded, kinds, target, output_key)
         maps_by_layer = {name: _finish(maps, relu, normalize) for name, maps in raw.items()}
-        size = batch.main.shape[2:]
-        full_size = {name: upsample(maps, size) for name, maps in maps_by_layer.items()}
+        batch_size, ranks = recorded.scores.shape
+        samples = torch.arange(batch_size).repeat_interleave(ranks)
+        full_size = {
+            name: _on_input(cam, recorded.placement, maps, samples)
+            for name, maps in maps_by_layer.items()
+        }
         if scales:
             # Augmented passes explain the classes chosen here, even if augmentation flips them.
             chosen = recorded.class_ids
             fixed: Target = chosen
-            if chosen is None:
+            if isinstance(target, Detection):  # objects are followed by box, not by class
+                fixed = Followed(tuple(_detection_scores(recorded.score_fns)))
+            elif chosen is None:
                 fixed = target
             elif isinstance(target, Contrast):
                 fixed = dataclasses.replace(target, a=chosen[:, 0])
@@ -447,16 +518,14 @@ def explain(
                 relu,
                 normalize,
             )
-    heatmaps = _fused(list(full_size.values()), fuse, relu, normalize)
-    batch_size, ranks = recorded.scores.shape
     ids = recorded.class_ids
     return Explanation(
-        heatmaps=heatmaps,
+        heatmaps=_heatmaps(list(full_size.values()), batch, samples, fuse, relu, normalize),
         layer_maps=maps_by_layer[layers[0]],
         maps_by_layer=maps_by_layer,
         targets=(ids if ids is not None else torch.full((batch_size, ranks), -1)).reshape(-1).cpu(),
         scores=recorded.scores.reshape(-1),
-        samples=torch.arange(batch_size).repeat_interleave(ranks),
+        samples=samples,
         output=recorded.output,
         method=cam.name,
         layers=list(layers),
@@ -464,9 +533,25 @@ def explain(
         maps_by_input=(
             None
             if by_input is None
-            else {key: _finish(maps, relu, normalize) for key, maps in by_input.items()}
+            else {
+                key: _per_image(maps, batch, samples, key, relu, normalize)
+                for key, maps in by_input.items()
+            }
+        ),
+        boxes=(
+            torch.stack([fn.boxes for fn in _detection_scores(recorded.score_fns)], dim=1)
+            .reshape(-1, 4)
+            .cpu()
+            if isinstance(target, Detection)
+            else None
         ),
     )
+
+
+def _detection_scores(fns: Sequence[ScoreFn]) -> list[DetectionScore]:
+    """The score functions of a :class:`Detection` target (one per object)."""
+    assert all(isinstance(fn, DetectionScore) for fn in fns)  # what Detection.resolve gives
+    return [fn for fn in fns if isinstance(fn, DetectionScore)]
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
@@ -487,15 +572,29 @@ def _unwrapped(model: nn.Module) -> nn.Module:
 
 
 def _given_kinds(layers: Sequence[str], layout: str | Mapping[str, str] | None) -> dict[str, Kind]:
-    """The layout kinds that ``layout=`` gives, by spot key."""
+    """The layout kinds that ``layout=`` gives, by spot key (or element spot of one)."""
     if layout is None:
         return {}
     if isinstance(layout, str):
         return {name: layout_kind(layout) for name in layers}
-    unknown = [name for name in layout if name not in layers]
+    unknown = [
+        name
+        for name in layout
+        if not any(name == spot or name.startswith(spot + "[") for spot in layers)
+    ]
     if unknown:
         raise CamvizError(f"layout= names {unknown}, which are not target layers ({layers})")
     return {name: layout_kind(value) for name, value in layout.items()}
+
+
+def _element_kinds(given: Mapping[str, Kind], spots: Sequence[str]) -> dict[str, Kind]:
+    """The kinds ``layout=`` gives to the element spots of a container spot (by its key)."""
+    kinds = {}
+    for spot in spots:
+        named = [key for key in given if spot == key or spot.startswith(key + "[")]
+        if named:
+            kinds[spot] = given[max(named, key=len)]  # the element's own entry first
+    return kinds
 
 
 def _known_kind(
@@ -509,14 +608,21 @@ def _known_kind(
         kind = module_kind(model.get_submodule(spot.name))
         if kind is not None:
             return kind
-    return _kind_cache.get(model, {}).get((name, batch.main.dim()))
+    cached, rank = _kind_cache.get(model, {}), batch.main.dim()
+    if (name, rank) in cached:
+        return cached[(name, rank)]
+    # A container spot (an FPN's levels): known once a pass told its maps' kind, if they agree.
+    prefix = name + "["
+    levels = {kind for (key, at), kind in cached.items() if at == rank and key.startswith(prefix)}
+    return levels.pop() if len(levels) == 1 else None
 
 
 def _kind(
     model: nn.Module, name: str, batch: Inputs, given: Mapping[str, Kind], recorded: LayerPass
 ) -> Kind | None:
     """The kind of a spot's tensor: as :func:`_known_kind`, else told from the recorded
-    pass (the module that produced the same tensor), and remembered."""
+    pass (the module that produced the same tensor, or for an element of a container that no
+    module produced, its siblings'), and remembered."""
     known = _known_kind(model, name, batch, given)
     if known is not None or recorded.calls is None:
         return known
@@ -526,6 +632,16 @@ def _kind(
     if end is None:
         return None
     kind = log.producer_kind(tuple(recorded.activations[name].shape), end)
+    if kind is None and spot.path:
+        # A level made by a function (an FPN's max-pooled 'pool'): read like the other
+        # maps of its container, when they agree.
+        parent = dataclasses.replace(spot, path=spot.path[:-1])
+        siblings = {
+            log.producer_kind(tuple(values.shape), end)
+            for key, values in recorded.activations.items()
+            if key != name and dataclasses.replace(parse(key), path=parse(key).path[:-1]) == parent
+        } - {None}
+        kind = siblings.pop() if len(siblings) == 1 else None
     if kind is not None:
         _kind_cache.setdefault(model, {})[(name, batch.main.dim())] = kind
     return kind
@@ -574,6 +690,7 @@ def layer_data(
                 layout=layout,
                 batch=batch,
                 hessian_products=None if product is None else layout.to_spatial(product),
+                placement=recorded.placement,
             )
         )
     return ranks
@@ -652,6 +769,54 @@ def _finish(maps: torch.Tensor, relu: bool, normalize: bool) -> torch.Tensor:
     return _rescale(torch.relu(maps) if relu else maps, relu, normalize)
 
 
+def _on_input(
+    cam: CamMethod, placement: Placement, maps: torch.Tensor, samples: torch.Tensor
+) -> torch.Tensor:
+    """A layer's ``(M, *grid)`` maps laid on the map input (already there for methods with
+    ``input_resolution``)."""
+    return maps if cam.input_resolution else placement.lay(maps, samples)
+
+
+def _crops(maps: torch.Tensor, batch: Inputs, samples: torch.Tensor) -> list[torch.Tensor]:
+    """Each of the ``(M, *canvas)`` maps of a list of images cropped to its own image."""
+    sizes = batch.spatial_sizes()
+    return [corner(values, sizes[n]) for values, n in zip(maps, samples.tolist(), strict=True)]
+
+
+def _per_image(
+    maps: torch.Tensor,
+    batch: Inputs,
+    samples: torch.Tensor,
+    key: Key,
+    relu: bool,
+    normalize: bool,
+) -> Maps:
+    """Raw maps on input ``key``, finished; for a list of images, the map input's cropped to
+    each image and normalised there."""
+    if batch.image_sizes is None or key != batch.key:
+        return _finish(maps, relu, normalize)
+    return [_finish(crop[None], relu, normalize)[0] for crop in _crops(maps, batch, samples)]
+
+
+def _heatmaps(
+    maps: Sequence[torch.Tensor],
+    batch: Inputs,
+    samples: torch.Tensor,
+    fuse: Fuse,
+    relu: bool,
+    normalize: bool,
+) -> Maps:
+    """The heatmaps: the layers' maps on the input fused; for a list of images one map per
+    image, cropped to it and normalised over it."""
+    if batch.image_sizes is None:
+        return _fused(maps, fuse, relu, normalize)
+    per_layer = [_crops(values, batch, samples) for values in maps]
+    return [
+        _fused([crop[None] for crop in crops], fuse, relu, normalize)[0]
+        for crops in zip(*per_layer, strict=True)
+    ]
+
+
 def _fused(maps: Sequence[torch.Tensor], fuse: Fuse, relu: bool, normalize: bool) -> torch.Tensor:
     """The heatmaps: the layers' maps at the input size, fused (normalised maps only)."""
     if len(maps) == 1 or not normalize:
@@ -673,22 +838,28 @@ def _check_default_layer(
 ) -> None:
     """All-zero maps at a layer camviz chose, because the score does not depend on its grid,
     are an error: the user never named that layer. A head that reads only a class token
-    after the layer is such a case: the gradient reaches that token, not the patches."""
-    ((name, maps),) = raw.items()
-    if not len(maps) or bool(torch.relu(maps).any()):
+    after the layer is such a case: the gradient reaches that token, not the patches.
+
+    A default layer with several levels (an FPN) is checked as a whole: one level without
+    gradient is normal there (each box is pooled from one level)."""
+    if not all(len(maps) for maps in raw.values()) or any(
+        bool(torch.relu(maps).any()) for maps in raw.values()
+    ):
         return
-    gradients = recorded.gradients.get(name)
-    if gradients is None:  # a method without gradients: take them now, in this rare case
+    names = list(raw)
+    gradients = recorded.gradients
+    if not gradients:  # a method without gradients: take them now, in this rare case
         try:
-            with_gradients = layer_pass(model, batch, [name], target, output_key=output_key)
+            gradients = layer_pass(model, batch, names, target, output_key=output_key).gradients
         except CamvizError:  # no autograd path from the layer to the score
-            with_gradients = None
-        gradients = with_gradients.gradients[name] if with_gradients else []
-    layout = _layout(name, recorded.activations[name], batch.main, model, kinds[name])
-    if any(bool(layout.to_spatial(values).any()) for values in gradients):
-        return  # the score depends on the layer: the maps say "no positive evidence"
+            gradients = {}
+    for name, per_rank in gradients.items():
+        layout = _layout(name, recorded.activations[name], batch.main, model, kinds[name])
+        if any(bool(layout.to_spatial(values).any()) for values in per_rank):
+            return  # the score depends on the layer: the maps say "no positive evidence"
+    listed = ", ".join(repr(name) for name in names)
     raise CamvizError(
-        f"all maps are zero: the explained score does not depend on the default layer {name!r} "
+        f"all maps are zero: the explained score does not depend on the default layer {listed} "
         "at any location (a head that reads only a class token after it?); pass layer=NAME, "
         "e.g. the norm before the last attention (`camviz layers` lists them)"
     )
@@ -701,7 +872,7 @@ def _check_finite(model: nn.Module, batch: Inputs, recorded: LayerPass) -> None:
     ]
     bad = [what for what, values in forward if not is_finite(values)]
     if bad:
-        single = len(batch.args) == 1 and not batch.kwargs
+        single = len(batch.args) == 1 and not batch.kwargs and batch.image_sizes is None
         first = first_nonfinite_layer(model, batch.main) if single else None
         source = (
             f"layer {first!r} is the first to output NaN or Inf"
@@ -769,7 +940,9 @@ def _aug_smoothed(
     input (flipped along its last axis only).
 
     Each augmented map is brought back to the plain pass's geometry (resized, then flipped
-    back) at the layer's resolution and at the input's, with one interpolation each.
+    back) at the layer's resolution and at the input's, with one interpolation each (a
+    detector's maps are first laid on the rescaled input it saw, see
+    :mod:`camviz.core.placement`).
 
     Returns:
         ``(maps_by_layer, full_size)``: the averaged maps at each layer's resolution
@@ -795,12 +968,16 @@ def _aug_smoothed(
             )
         if flip:
             augmented = augmented.flip(-1)
+        variant_target = target
+        if isinstance(target, Followed):  # boxes move with the image
+            factors = [new / old for new, old in zip(augmented.shape[2:], size, strict=True)]
+            variant_target = target.moved(factors, augmented.shape[-1] if flip else None)
         try:
             recorded = layer_pass(
                 model,
                 batch.with_main(augmented),
                 layers,
-                target,
+                variant_target,
                 gradients=cam.uses_gradients,
                 output_key=output_key,
                 hessian=cam.uses_hessian,
@@ -813,10 +990,15 @@ def _aug_smoothed(
                 "pass aug_smooth=(1.0,) to average over flips only"
             ) from error
         raw = _layer_maps(cam, model, batch.with_main(augmented), recorded, kinds)[0]
+        samples = torch.arange(batch.size).repeat_interleave(recorded.scores.shape[1])
         for name, maps in raw.items():
             maps = _finish(maps, relu, normalize)
             at_layer = upsample(maps, maps_by_layer[name].shape[1:])
-            at_input = upsample(maps, size)
+            at_input = (
+                upsample(maps, size)
+                if cam.input_resolution
+                else recorded.placement.lay(maps, samples, size)
+            )
             sums[name] += at_layer.flip(-1) if flip else at_layer
             full_sums[name] += at_input.flip(-1) if flip else at_input
     count = len(variants) if 1 in scales else len(variants) + 1

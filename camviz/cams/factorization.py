@@ -29,8 +29,9 @@ from camviz.core.errors import CamvizError
 from camviz.core.hooks import capture
 from camviz.core.layerkinds import module_kind
 from camviz.core.layers import default_target_layer, resolve_layers
-from camviz.core.maps import normalize, upsample
+from camviz.core.maps import normalize
 from camviz.core.modelstate import eval_mode
+from camviz.core.placement import recording
 from camviz.core.targets import as_logits
 
 
@@ -42,8 +43,8 @@ class Concepts:
         maps: ``(N, k, h, w)`` loadings ``W`` of each concept at each location of the
             layer's grid, non-negative, scaled so that each concept's largest loading in the
             batch is 1.
-        heatmaps: ``(N, k, H, W)`` the maps upsampled to the input and min-max normalised
-            per image and concept (for drawing).
+        heatmaps: ``(N, k, H, W)`` the maps laid on the input (:mod:`camviz.core.placement`)
+            and min-max normalised per image and concept (for drawing).
         embeddings: ``(k, C)`` each concept as activations of the layer: the activation
             vector of a location where the concept has loading 1 and no other is present.
         class_scores: ``(k, classes)`` the model's logits for a feature map filled with each
@@ -136,9 +137,14 @@ def factorize(
         if len(resolved) != 1:
             raise CamvizError(f"factorize takes one layer; {layer!r} matches {len(resolved)}")
         layer = resolved[0]
-        with capture(model, layer) as seen, torch.no_grad():
+        with capture(model, layer) as seen, recording(model) as placed, torch.no_grad():
             output = model(inputs)
     raw = seen.activations[layer]
+    if not isinstance(raw, torch.Tensor):  # an FPN's levels: the default of a detector
+        raise CamvizError(
+            f"factorize takes one feature map, but layer {layer!r} gives a "
+            f"{type(raw).__name__} of them; pass layer=NAME, e.g. a stage of its backbone"
+        )
     patch = patch_size(model) if raw.dim() == 3 else None
     # Where the channels are: as the module says, or as in the input when it passes it on.
     kind = module_kind(model.get_submodule(layer))
@@ -160,7 +166,9 @@ def factorize(
     error = float(torch.linalg.norm(shifted - w @ h) / torch.linalg.norm(shifted))
     maps = w.view(batch, height, width, k).permute(0, 3, 1, 2)
     embeddings = h + offset
-    heatmaps = normalize(upsample(maps.flatten(0, 1), inputs.shape[-2:])).view(
+    placement = placed.placement(inputs.shape[2:], None, batch)
+    samples = torch.arange(batch).repeat_interleave(k)
+    heatmaps = normalize(placement.lay(maps.flatten(0, 1), samples)).view(
         batch, k, *inputs.shape[-2:]
     )
     head = _pooled_linear_head(model, activations, output, output_key)

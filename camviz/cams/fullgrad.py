@@ -16,7 +16,7 @@ from camviz.cams.guided import forward_from_inputs
 from camviz.cams.registry import register
 from camviz.core.calls import CallMode
 from camviz.core.inputs import Inputs
-from camviz.core.maps import normalize, upsample
+from camviz.core.maps import normalize
 from camviz.core.targets import ScoreFn
 
 _BATCH_NORM = inspect.signature(F.batch_norm)
@@ -155,9 +155,8 @@ class FullGrad(CamMethod):
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
         decomposition = full_gradients(data.model, data.batch or data.inputs, data.score_fn)
-        size = data.inputs.shape[2:]
         total = _channel_normalised_sum(data.inputs * decomposition.input_gradients)
         for bias_gradient in decomposition.bias_gradients:
             # Upsampling is linear, so summing the channels first gives the same map, cheaper.
-            total = total + upsample(_channel_normalised_sum(bias_gradient), size)
+            total = total + data.on_input(_channel_normalised_sum(bias_gradient))
         return total

@@ -9,6 +9,7 @@ from camviz.cams.engine import layer_pass
 from camviz.cams.noise import SampleNoise
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
+from camviz.core.inputs import corner
 
 
 def plusplus_weights(
@@ -141,12 +142,16 @@ class SmoothGradCAMPlusPlus(ChannelWeighted):
         inputs = data.inputs
         noise = SampleNoise(inputs.shape[0], self.seed, inputs.device)
         every_sample = torch.arange(inputs.shape[0])
-        low, high = inputs.flatten(1).aminmax(dim=1)
-        sigma = (self.noise * (high - low)).view(-1, *[1] * (inputs.dim() - 1))
+        sizes = data.batch.image_sizes if data.batch is not None else None
+        own = (
+            inputs if sizes is None else [corner(x, s) for x, s in zip(inputs, sizes, strict=True)]
+        )
+        span = torch.stack([sample.max() - sample.min() for sample in own])
+        sigma = (self.noise * span).view(-1, *[1] * (inputs.dim() - 1))
         moments = data.activations.new_zeros(3, *data.activations.shape)
         assert data.layout is not None  # the engine gives every layer its layout
         for _ in range(self.samples):
-            draw = noise.draw(every_sample, inputs.shape[1:], inputs.dtype)
+            draw = noise.draw(every_sample, inputs.shape[1:], inputs.dtype, sizes)
             # The score function is the explained target itself, so class ids, callables and
             # any output type carry over to the noisy batch unchanged.
             noisy_inputs = inputs + sigma * draw

@@ -39,7 +39,6 @@ from camviz.cams.registry import register
 from camviz.core.calls import CallMode
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import Inputs, Key
-from camviz.core.maps import upsample
 from camviz.core.targets import ScoreFn
 
 
@@ -305,6 +304,6 @@ class GuidedGradCAM(CamMethod):
     pixel_level = True
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
-        cam = upsample(torch.relu(GradCAM().layer_map(data)), data.inputs.shape[2:])
+        cam = data.on_input(torch.relu(GradCAM().layer_map(data)))
         guided = input_gradients(data.model, data.batch or data.inputs, data.score_fn, guided=True)
         return saliency(guided) * cam

@@ -14,7 +14,7 @@ from camviz.cams.noise import SampleNoise
 from camviz.cams.perturbation import Chunks, PerturbationMethod, checked_count, rank_scores
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
-from camviz.core.maps import normalize, upsample
+from camviz.core.maps import normalize
 from camviz.core.targets import probability_score, take_rows
 
 # At most this many input values per forward pass on a CPU when no batch_size is given
@@ -141,12 +141,18 @@ class ScoreCAM(PerturbationMethod):
             # .to: a model run under bf16 / fp16 autocast scores in that dtype
             scores[:, samples, channels] = scored.to(scores.dtype)
         if constant.any():
-            first = torch.zeros(1, dtype=torch.long, device=data.inputs.device)
-            blank = data.run(torch.zeros_like(data.inputs[:1]), first)
-            batch = torch.arange(constant.shape[0], device=constant.device)
-            blank_scores = rank_scores(take_rows(blank, torch.zeros_like(batch)), ranks, batch)
-            scores = torch.where(constant, blank_scores.unsqueeze(-1), scores)
+            scores = torch.where(constant, self.blank_scores(data, ranks).unsqueeze(-1), scores)
         return scores
+
+    @staticmethod
+    def blank_scores(data: LayerData, ranks: Sequence[LayerData]) -> torch.Tensor:
+        """``(K, N)``: the score of each rank for a zero image in place of each sample (one
+        pass of one zero image, or of one per image for a list of images of their sizes)."""
+        batch = torch.arange(len(data.inputs), device=data.inputs.device)
+        if data.batch is not None and data.batch.image_sizes is not None:
+            return rank_scores(data.run(torch.zeros_like(data.inputs), batch), ranks, batch)
+        blank = data.run(torch.zeros_like(data.inputs[:1]), batch[:1])
+        return rank_scores(take_rows(blank, torch.zeros_like(batch)), ranks, batch)
 
     def masked_pass(
         self,
@@ -171,8 +177,9 @@ class ScoreCAM(PerturbationMethod):
 
     @staticmethod
     def masks(data: LayerData, samples: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
-        """``(R, *spatial)`` masks ``s(U(A^k))`` of the given (sample, channel) pairs."""
-        return normalize(upsample(data.activations[samples, channels], data.inputs.shape[2:]))
+        """``(R, *spatial)`` masks ``s(U(A^k))`` of the given (sample, channel) pairs (``U``
+        lays the grid on the input: :meth:`~camviz.cams.base.LayerData.on_input`)."""
+        return normalize(data.on_input(data.activations[samples, channels], samples))
 
 
 @register
@@ -240,13 +247,14 @@ class SSCAM(ScoreCAM):
         inputs = data.inputs
         batch, channels = data.activations.shape[:2]
         noise = SampleNoise(batch, self.seed, inputs.device)
+        sizes = data.batch.image_sizes if data.batch is not None else None
         scores = inputs.new_zeros(len(ranks), batch, channels)
         pairs = torch.cartesian_prod(
             torch.arange(batch, device=inputs.device), torch.arange(channels, device=inputs.device)
         )
 
         def noisy(masks: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
-            return masks + self.std * noise.draw(samples, masks.shape[1:], masks.dtype)
+            return masks + self.std * noise.draw(samples, masks.shape[1:], masks.dtype, sizes)
 
         chunks = self.chunks(inputs)
         for _ in range(self.num_samples):

@@ -142,6 +142,11 @@ class SESS(Wrapper):
     rank_maps = CamMethod.rank_maps  # rank by rank: each rank's base maps are its own
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
+        if data.batch is not None and data.batch.image_sizes is not None:
+            raise CamvizError(
+                "sess cuts its windows from a batch of one image size; explain a list of "
+                "images one by one"
+            )
         height, width = data.inputs.shape[-2:]
         window = self.window or min(height, width)
         stride = self.stride or window
@@ -235,7 +240,7 @@ class SESS(Wrapper):
             for rank in layer_data(data.model, patches, recorded, data.layer)
         ]
         raw = self.base.rank_maps(ranks)[0]
-        return normalize(upsample(normalize(torch.relu(raw)), patches.shape[-2:]))
+        return normalize(ranks[0].on_input(normalize(torch.relu(raw))))
 
     @staticmethod
     def pasted(

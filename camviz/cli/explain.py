@@ -27,7 +27,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="explain images, folders or videos with a CAM method",
         description="Write, per image, a heatmap overlay at the photo's size and a panel "
         "(image | heatmap | overlay), one row per image in manifest.jsonl and a summary in "
-        "manifest.json. Unreadable inputs are skipped and listed. Running again with the same "
+        "manifest.json. The model's task decides what is explained: a classifier's classes; "
+        "a segmentation model's predicted region of a class (--target NAME); a detector's "
+        "objects, one overlay each with its box and label, and a panel of all of them; a "
+        "video model's clips, as overlay videos. Unreadable inputs are skipped and listed. "
+        "Running again with the same "
         "--out resumes; one run at a time may use an output folder, and the files camviz "
         "wrote are never taken as inputs. Under torchrun (torchrun --nproc_per_node=N -m "
         "camviz explain ...) the processes share the inputs.",
@@ -44,7 +48,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--target",
         default="top1",
-        help="class id, top1 (default) or topK (one map for each of the K best classes)",
+        help="class id, top1 (default) or topK (one map for each of the K best classes); "
+        "for segmentation and detection a class name (person) or id: the region predicted "
+        "as that class (default: each image's largest class but the background), the "
+        "objects of that class (default: all)",
     )
     parser.add_argument(
         "--similar-to",
@@ -88,15 +95,57 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="processes that decode images (0: decode in the main process)",
     )
     parser.add_argument(
-        "--every", type=_positive, default=1, metavar="N", help="explain every N-th video frame"
+        "--every",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="explain every N-th frame of a video (image models; video models take clips)",
     )
     parser.add_argument(
         "--device",
         default=None,
         help="where the model runs (cpu, cuda, cuda:1); by default this process's GPU if any",
     )
+    parser.add_argument(
+        "--input-size",
+        type=_positive,
+        default=None,
+        metavar="PIXELS",
+        help="scale each image's shorter side to PIXELS instead of the model's size (for a "
+        "detector: its own resize)",
+    )
     add_precision_options(parser)
     add_memory_budget_option(parser)
+    detection = parser.add_argument_group("detection models")
+    detection.add_argument(
+        "--min-score",
+        type=_score,
+        default=0.5,
+        metavar="S",
+        help="explain the objects detected with a score of at least S",
+    )
+    detection.add_argument(
+        "--max-objects",
+        type=_positive,
+        default=10,
+        metavar="N",
+        help="at most N objects per image, best first",
+    )
+    video = parser.add_argument_group("video models")
+    video.add_argument(
+        "--clip-len",
+        type=_positive,
+        default=None,
+        metavar="T",
+        help="frames per clip (default: the model's, 16 for r3d_18)",
+    )
+    video.add_argument(
+        "--stride",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="frames from one clip's start to the next (default: --clip-len)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
 
@@ -105,6 +154,16 @@ def _positive(text: str) -> int:
     value = _not_negative(text)
     if value == 0:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _score(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError("must be 0 or more")
     return value
 
 
@@ -123,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
     from camviz.io.render import check_render_options
     from camviz.pipeline import distributed
     from camviz.pipeline.job import Outputs, RenderOptions, explain_files
+    from camviz.pipeline.tasks import TaskOptions
 
     check_render_options(args.alpha, args.colormap)
     outputs = Outputs(overlay=args.overlay, panel=args.panel, heatmap=args.heatmap)
@@ -149,6 +209,13 @@ def run(args: argparse.Namespace) -> int:
         precision=args.precision,
         channels_last=args.channels_last,
         memory_budget=args.memory_budget,
+        task_options=TaskOptions(
+            min_score=args.min_score,
+            max_objects=args.max_objects,
+            clip_len=args.clip_len,
+            stride=args.stride,
+        ),
+        input_size=args.input_size,
     )
     if context.is_main:
         _report(manifest, args.out)

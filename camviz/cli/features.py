@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from camviz.cli.options import add_model_options
+from camviz.cli.options import add_model_options, add_precision_options
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="enlarge small channels (nearest neighbour, by a whole factor) until the short "
         "side of each tile in the grid is at least PX pixels; 1 keeps them as they are",
     )
+    add_precision_options(parser)
     parser.set_defaults(run=run)
 
 
@@ -73,7 +74,14 @@ def run(args: argparse.Namespace) -> int:
     image = load_image(args.image)
     loaded = load_model(args)
     inputs = loaded.preprocess(image).unsqueeze(0)
-    outputs = features(loaded.model, inputs, args.layer, device="cpu")
+    outputs = features(
+        loaded.model,
+        inputs,
+        args.layer,
+        device="cpu",
+        precision=args.precision,
+        channels_last=args.channels_last,
+    )
     # Transformer tokens become (1, C, h, w) maps too; anything else is refused here,
     # before a file is written. The layer's module says where its channels are.
     patch = patch_size(loaded.model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from camviz.cli.options import add_model_options
+from camviz.cli.options import add_model_options, add_precision_options
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -40,6 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the random image used without IMAGE"
     )
+    add_precision_options(parser)
     parser.set_defaults(run=run)
 
 
@@ -51,13 +52,14 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(args)
     image = load_image(args.image) if args.image else _random_image(loaded.preprocess, args.seed)
     inputs = loaded.preprocess(image).unsqueeze(0)
-    table = inspect(loaded.model, inputs, layers=args.layer, backward=args.backward)
+    as_asked = {"precision": args.precision, "channels_last": args.channels_last}
+    table = inspect(loaded.model, inputs, layers=args.layer, backward=args.backward, **as_asked)
     print(table)
     for path, write in ((args.csv, table.to_csv), (args.json, table.to_json)):
         if path:
             print(f"wrote {write(path)}")
     if not all(row.finite for row in table):
-        print(find_first_nonfinite(loaded.model, inputs))
+        print(find_first_nonfinite(loaded.model, inputs, **as_asked))
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from camviz.cli.options import add_model_options
+from camviz.cli.options import add_model_options, add_precision_options
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help=f"side of the square dummy input, 1 to {MAX_SIZE} pixels",
     )
+    add_precision_options(parser)
     parser.set_defaults(run=run)
 
 
@@ -55,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(args)
     inputs = torch.zeros(1, 3, args.size, args.size)
     try:
-        rows = layer_shapes(loaded.model, inputs)
+        rows = layer_shapes(
+            loaded.model, inputs, precision=args.precision, channels_last=args.channels_last
+        )
         default = loaded.default_layer or _found_layer(loaded.model, inputs)
     except (RuntimeError, ValueError) as error:
         raise CamvizError(

@@ -10,6 +10,15 @@ volumes or clips ``(N, C, D, H, W)``.
 
 A tensor is always a batch, with one exception kept for convenience: a single ``(C, H, W)``
 image for a model whose first convolution is 2-D (decided from the model, not the rank).
+
+A list (or tuple) is several positional inputs, with one exception decided from the model:
+given to a torchvision detector (a model that holds a ``GeneralizedRCNNTransform``), a list
+of ``(C, H_n, W_n)`` tensors is a list of images, which may differ in size, as torchvision's
+detectors take them. It is kept as one zero-padded ``(N, C, H_max, W_max)`` map input with
+each image's size (:attr:`Inputs.image_sizes`), and the detector is called with the list of
+the images cropped back out of it, so every re-run of the model (masked copies, rows of
+other samples) hands the detector each image at its own size. A list in gives a list of
+maps out, each at its own image's size, even when the images have one size.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from torch import nn
 
 from camviz.core.errors import CamvizError
 from camviz.core.layerkinds import spatial_rank_of_model
+from camviz.core.placement import takes_image_lists
 
 Key = int | str
 
@@ -64,12 +74,16 @@ class Inputs:
         kwargs: Keyword inputs.
         key: The map input's position in ``args`` (int) or name in ``kwargs`` (str).
         size: The batch size ``N``.
+        image_sizes: For a list of images (see the module docstring), the spatial size of
+            each sample in the zero-padded map input, which the model gets cropped to it;
+            ``None``: every sample fills the map input.
     """
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     key: Key
     size: int
+    image_sizes: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def main(self) -> torch.Tensor:
@@ -80,17 +94,35 @@ class Inputs:
         return self.kwargs[key] if isinstance(key, str) else self.args[key]
 
     def __call__(self, model: nn.Module) -> Any:
-        """The model's output for these inputs."""
-        return model(*self.args, **self.kwargs)
+        """The model's output for these inputs (a list of images: the list of crops)."""
+        if self.image_sizes is None:
+            return model(*self.args, **self.kwargs)
+        sizes = self.image_sizes
+        images = [corner(image, size) for image, size in zip(self.main, sizes, strict=True)]
+        return self.replaced({self.key: images}, keep_sizes=False)(model)
+
+    def spatial_sizes(self) -> tuple[tuple[int, ...], ...]:
+        """The spatial size of each sample: its image's for a list, else the map input's."""
+        if self.image_sizes is not None:
+            return self.image_sizes
+        return (tuple(self.main.shape[2:]),) * self.size
 
     def items(self) -> Iterator[tuple[Key, Any]]:
         """``(position or name, value)`` of every input."""
         yield from enumerate(self.args)
         yield from self.kwargs.items()
 
-    def replaced(self, values: Mapping[Key, Any], rows: torch.Tensor | None = None) -> Inputs:
+    def replaced(
+        self,
+        values: Mapping[Key, Any],
+        rows: torch.Tensor | None = None,
+        *,
+        keep_sizes: bool = True,
+    ) -> Inputs:
         """These inputs with ``values`` put in, and every other batched tensor taken at
-        ``rows`` (``(R,)`` sample indices; ``None`` keeps them as they are)."""
+        ``rows`` (``(R,)`` sample indices; ``None`` keeps them as they are). The image sizes
+        of a list follow ``rows`` (a new map input keeps them: row ``r`` is an image of
+        sample ``rows[r]``'s size), unless ``keep_sizes`` is false."""
 
         def pick(key: Key, value: Any) -> Any:
             if key in values:
@@ -102,7 +134,10 @@ class Inputs:
         args = tuple(pick(position, value) for position, value in enumerate(self.args))
         kwargs = {name: pick(name, value) for name, value in self.kwargs.items()}
         size = len(rows) if rows is not None else self.size
-        return replace(self, args=args, kwargs=kwargs, size=size)
+        sizes = self.image_sizes if keep_sizes else None
+        if sizes is not None and rows is not None:
+            sizes = tuple(sizes[row] for row in rows.tolist())
+        return replace(self, args=args, kwargs=kwargs, size=size, image_sizes=sizes)
 
     def with_main(self, tensor: torch.Tensor, rows: torch.Tensor | None = None) -> Inputs:
         """These inputs with the map input replaced by ``tensor`` (see :meth:`replaced`)."""
@@ -142,6 +177,8 @@ def as_inputs(inputs: Any, model: nn.Module, map_input: Key | None = None) -> In
             inputs = inputs.unsqueeze(0)  # one (C, H, W) image for an image model
         args: tuple[Any, ...] = (inputs,)
         kwargs: dict[str, Any] = {}
+    elif isinstance(inputs, (tuple, list)) and _is_image_list(inputs, model):
+        return _image_list(inputs, model, map_input)
     elif isinstance(inputs, (tuple, list)) and inputs:
         args, kwargs = tuple(inputs), {}
     elif isinstance(inputs, Mapping) and inputs:
@@ -180,6 +217,45 @@ def as_inputs(inputs: Any, model: nn.Module, map_input: Key | None = None) -> In
         listed = ", ".join(f"input {key!r}: {size}" for key, size in sizes.items())
         raise CamvizError(f"the inputs have different batch sizes ({listed}); give N rows each")
     return replace(moved, size=main.shape[0])
+
+
+def corner(tensor: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+    """The view of ``tensor``'s last ``len(size)`` axes cut to ``size`` from their start (an
+    image of a list in its zero-padded batch)."""
+    first = tensor.dim() - len(size)
+    for offset, extent in enumerate(size):
+        tensor = tensor.narrow(first + offset, 0, extent)
+    return tensor
+
+
+def _is_image_list(inputs: Sequence[Any], model: nn.Module) -> bool:
+    """Whether ``inputs`` is a list of images for a detector (see the module docstring)."""
+    return (
+        bool(inputs)
+        and all(isinstance(value, torch.Tensor) and value.dim() == 3 for value in inputs)
+        and takes_image_lists(model)
+    )
+
+
+def _image_list(images: Sequence[torch.Tensor], model: nn.Module, map_input: Key | None) -> Inputs:
+    """A list of ``(C, H_n, W_n)`` images as one zero-padded map input with their sizes."""
+    if map_input not in (None, 0):
+        raise CamvizError(
+            f"map_input={map_input!r} names a second input, but a list of images was given"
+        )
+    channels = {image.shape[0] for image in images}
+    if not all(image.is_floating_point() for image in images) or len(channels) > 1:
+        described = ", ".join(f"{image.dtype} {tuple(image.shape)}" for image in images)
+        raise CamvizError(
+            f"a list of images must hold float (C, H, W) images with one C, got {described}"
+        )
+    sizes = tuple(tuple(image.shape[1:]) for image in images)
+    first = images[0]
+    canvas = first.new_zeros(len(images), first.shape[0], *map(max, zip(*sizes, strict=True)))
+    for row, image in enumerate(images):
+        corner(canvas[row], image.shape[1:]).copy_(image)
+    main = _to(canvas, model_device(model))
+    return Inputs((main,), {}, 0, len(images), image_sizes=sizes)
 
 
 def _map_key(args: Sequence[Any], kwargs: Mapping[str, Any], map_input: Key | None) -> Key:

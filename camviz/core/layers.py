@@ -12,7 +12,7 @@ import difflib
 import fnmatch
 import math
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from typing import TypeAlias
 
@@ -23,6 +23,7 @@ from camviz.core.errors import CamvizError
 from camviz.core.inputs import Inputs, as_inputs
 from camviz.core.layerkinds import CallLog, record_calls
 from camviz.core.modelstate import HookSet, eval_mode
+from camviz.core.precision import Precision, model_precision
 
 _WILDCARDS = frozenset("*?[")
 
@@ -105,7 +106,17 @@ _default_cache: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.W
 
 
 def default_target_layer(model: nn.Module, inputs: torch.Tensor | Inputs) -> str:
-    """The last layer, in call order, whose output is a spatial map.
+    """The layer to explain when none is named: by the model's family, else the last layer,
+    in call order, whose output is a spatial map.
+
+    torchvision's detectors and segmentation models get the layer of their family
+    (:func:`family_layer`): the last spatial layer would be a head (a detector's RoI pooling
+    folds its proposals into the batch; a segmentation model's final 1x1 classifier has one
+    channel per class, so its map is the class mask itself). Every other model
+    (classifiers, video models, models of any family that are not torchvision's) gets the
+    rule below; for torchvision's video models it picks the last 3-D stage (``layer4`` of
+    ``r3d_18``, ``mc3_18`` and ``r2plus1d_18``, ``features`` of ``s3d``, the final norm of
+    ``swin3d_t``).
 
     One dry forward pass on the first sample records every module's output. A spatial map
     has the input's rank and more than one location: ``(N, C, L)`` for a signal,
@@ -127,6 +138,9 @@ def default_target_layer(model: nn.Module, inputs: torch.Tensor | Inputs) -> str
     Raises:
         CamvizError: No layer produces a spatial output.
     """
+    by_family = family_layer(model)  # no model call: also for inputs it takes otherwise
+    if by_family is not None:
+        return by_family
     batch = inputs if isinstance(inputs, Inputs) else as_inputs(inputs, model)
     rank = batch.main.dim() - 2
     per_model = _default_cache.setdefault(model, {})
@@ -162,6 +176,52 @@ def default_target_layer(model: nn.Module, inputs: torch.Tensor | Inputs) -> str
     return found
 
 
+def family_layer(model: nn.Module) -> str | None:
+    """The default layer of a torchvision detector or segmentation model, told from its
+    classes and structure (never from its name); ``None`` for other models. A model that
+    wraps one (pre- or post-processing around it) gets the layer inside it.
+
+    * Detectors (``GeneralizedRCNN``: Faster, Mask and Keypoint R-CNN; ``RetinaNet``;
+      ``FCOS``; ``SSD`` and SSDlite): ``"backbone"``. Its output is the dict of feature
+      levels the heads read (the FPN's ``'0'``, ``'1'``, ..., ``'pool'``; SSD's extractor's
+      levels), which the engine explains one map per level, fused. Each box is predicted
+      from one level, so a single stage would miss the boxes of the others (SSD's trunk
+      reaches most of its heads only through the extra blocks, at a coarser grid).
+    * Segmentation models (``FCN``, ``DeepLabV3``, ``LRASPP``), and any model whose
+      ``backbone`` is an ``IntermediateLayerGetter`` (a ``return_layers`` dict of its
+      stages): the backbone's last returned stage (``backbone.layer4`` of ``fcn_resnet50``,
+      ``backbone.16`` of the MobileNetV3 ones), the richest map before the segmentation
+      head; with another backbone, ``"backbone"`` (its maps, one per level).
+    """
+    for name, module in model.named_modules():
+        layer = _own_family_layer(module)
+        if layer is not None:
+            return f"{name}.{layer}" if name else layer
+    return None
+
+
+def _own_family_layer(model: nn.Module) -> str | None:
+    """:func:`family_layer` for ``model`` itself (not its submodules)."""
+    backbone = getattr(model, "backbone", None)
+    if not isinstance(backbone, nn.Module):
+        return None
+    from torchvision.models.detection import FCOS, RetinaNet, generalized_rcnn, ssd
+    from torchvision.models.segmentation import _utils, lraspp
+
+    detectors = (generalized_rcnn.GeneralizedRCNN, RetinaNet, FCOS, ssd.SSD)
+    if isinstance(model, detectors):
+        return "backbone"
+    returned = getattr(backbone, "return_layers", None)  # an IntermediateLayerGetter's
+    if isinstance(returned, Mapping):
+        stages = [name for name, _ in backbone.named_children() if name in returned]
+        if stages:
+            return f"backbone.{stages[-1]}"
+    segmenters = (_utils._SimpleSegmentationModel, lraspp.LRASPP)
+    if isinstance(model, segmenters):
+        return "backbone"  # another backbone: its dict of maps, one per level
+    return None
+
+
 def _output_kind(log: CallLog, index: int, rank: int) -> str | None:
     """``"spatial"``, ``"tokens"`` or ``None``: what the output of call ``index`` is."""
     call = log.calls[index]
@@ -184,11 +244,19 @@ def _is_attention(module: nn.Module) -> bool:
     return isinstance(module, nn.MultiheadAttention) or name.endswith("Attention") or "Attn" in name
 
 
-def layer_shapes(model: nn.Module, inputs: torch.Tensor) -> list[tuple[str, str, tuple[int, ...]]]:
+def layer_shapes(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    *,
+    precision: Precision = "fp32",
+    channels_last: bool = False,
+) -> list[tuple[str, str, tuple[int, ...]]]:
     """``(name, type, output shape)`` of every layer, in call order, from one dry run.
 
     A layer called several times appears once per call. Outputs that are not tensors show
-    the shape ``()``. The model's train/eval flags are left as they were.
+    the shape ``()``. The model's train/eval flags are left as they were. ``precision`` and
+    ``channels_last`` run the dry run as :func:`camviz.explain` would (see
+    :mod:`camviz.core.precision`), so a model that fails under them fails here too.
     """
     rows: list[tuple[str, str, tuple[int, ...]]] = []
 
@@ -196,7 +264,12 @@ def layer_shapes(model: nn.Module, inputs: torch.Tensor) -> list[tuple[str, str,
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else ()
         rows.append((name, type(module).__name__, shape))
 
-    with HookSet() as hooks, torch.inference_mode(), eval_mode(model):
+    with (
+        model_precision(model, precision, channels_last),
+        HookSet() as hooks,
+        torch.inference_mode(),
+        eval_mode(model),
+    ):
         for name, module in model.named_modules():
             if name:
                 hooks.add(module.register_forward_hook(partial(record, name)))

@@ -12,6 +12,11 @@ Nothing of the model is converted: its parameters keep their dtype and memory fo
 (a convolution that receives a channels-last input computes channels-last on its own), and
 the caller's input tensor is never modified, so both come back exactly as they came.
 
+The tools that run a model once (:func:`camviz.features`, :func:`camviz.inspect`,
+:func:`camviz.find_first_nonfinite`, :func:`camviz.core.layers.layer_shapes`) take the same
+two arguments through :func:`model_precision`, which checks the request on the model's
+device and returns the same :func:`forward_precision` block.
+
 Reduced precision is only offered where the hardware computes it natively: on a CPU
 without AVX-512 BF16 / AMX (or fp16 support), PyTorch emulates it, and a ResNet-18 forward
 pass runs 5 to 30 times *slower* than in float32. Such a request is refused with one line
@@ -31,6 +36,7 @@ import torch
 from torch import nn
 
 from camviz.core.errors import CamvizError
+from camviz.core.inputs import model_device
 from camviz.core.modelstate import HookSet
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -141,6 +147,19 @@ def forward_precision(
         finally:
             while open_contexts:  # a forward pass that raised never reached `leave`
                 open_contexts.pop().__exit__(None, None, None)
+
+
+def model_precision(
+    model: nn.Module, precision: Precision, channels_last: bool
+) -> contextlib.AbstractContextManager[None]:
+    """:func:`forward_precision` for ``precision`` on the model's device (the CPU for a model
+    without parameters), checked now, before the block is entered.
+
+    Raises:
+        CamvizError: As :func:`check_precision`.
+    """
+    device = model_device(model) or torch.device("cpu")
+    return forward_precision(model, check_precision(precision, device), channels_last, device)
 
 
 def at_least_fp32(value: Any) -> Any:

@@ -7,12 +7,19 @@ A spot is written as a string, which is also its key in :class:`~camviz.cams.eng
 * ``"layer4:input"`` - its first positional input (``at="input"`` in :func:`camviz.explain`);
 * ``"lstm[0]"``, ``"head[cls_logits]"``, ``"block:input[1]"`` - one element of a tuple,
   list or dict output (or of the positional inputs), by index or key; brackets nest
-  (``"rnn[1][0]"``).
+  (``"rnn[1][0]"``). A dict key written as a number also finds the key's string
+  (``"backbone[0]"`` is level ``'0'`` of an FPN's ``OrderedDict``).
+
+A layer whose output is a tuple, list or dict of feature maps (an FPN's levels, a
+segmentation backbone's ``{'out', 'aux'}``) stands for its elements that are maps of the
+input's spatial rank (:func:`map_elements`): the engine explains each of them as a layer of
+its own, keyed by its element spot (``"backbone[0]"``, ``"backbone[pool]"``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -88,11 +95,19 @@ def spot_keys(model: nn.Module, layer: Layer | Iterable[Layer], at: At) -> list[
     return keys
 
 
+def _item(value: Any, item: int | str) -> int | str:
+    """The index or key that ``item`` names in ``value``: a number names a dict's string key
+    when the dict has no such number among its keys (FPN levels are ``'0'``, ``'1'``...)."""
+    if isinstance(value, Mapping) and item not in value and str(item) in value:
+        return str(item)
+    return item
+
+
 def select(value: Any, path: Path, key: str) -> Any:
     """The element of ``value`` at ``path``."""
     for item in path:
         try:
-            value = value[item]
+            value = value[_item(value, item)]
         except (KeyError, IndexError, TypeError):
             raise CamvizError(
                 f"the layer spot {key!r} has no element [{item}] in a {type(value).__name__}"
@@ -105,7 +120,7 @@ def replace(value: Any, path: Path, new: Any) -> Any:
     """A copy of ``value`` with the element at ``path`` replaced by ``new``."""
     if not path:
         return new
-    head, rest = path[0], path[1:]
+    head, rest = _item(value, path[0]), path[1:]
     inner = replace(value[head], rest, new)
     if isinstance(value, Mapping):
         copied = dict(value)
@@ -118,20 +133,51 @@ def replace(value: Any, path: Path, new: Any) -> Any:
     return type(value)(items)
 
 
+def map_elements(value: Any, rank: int) -> list[int | str]:
+    """The indices or keys of the elements of a tuple, list or dict that are feature maps for
+    an input with ``rank`` spatial axes: tensors of rank ``rank + 2`` with more than one
+    location (whether the channels come first or last). Elements are looked at one level
+    deep; an FPN's ``OrderedDict`` gives its level names in order."""
+    items = value.items() if isinstance(value, Mapping) else enumerate(value)
+    return [
+        index
+        for index, element in items
+        if isinstance(element, torch.Tensor)
+        and element.dim() == rank + 2
+        and math.prod(element.shape[2:]) > 1
+        and math.prod(element.shape[1:-1]) > 1
+    ]
+
+
+def element_key(key: str, item: int | str) -> str:
+    """The spot key of element ``item`` of the value at spot ``key`` (for a whole input spot,
+    of its first positional input: ``"head:input"`` -> ``"head:input[0][item]"``)."""
+    spot = parse(key)
+    path = spot.path or ((0,) if spot.at == "input" else ())
+    return Spot(spot.name, spot.at, (*path, item)).key
+
+
 SpotFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 @contextlib.contextmanager
-def edit_spots(model: nn.Module, edits: Mapping[str, SpotFn]) -> Iterator[nn.Module]:
+def edit_spots(
+    model: nn.Module, edits: Mapping[str, SpotFn], *, containers: bool = False
+) -> Iterator[nn.Module]:
     """Replace the tensor at each spot by ``fn(tensor)`` inside a block (hooks come off after).
 
+    With ``containers=True`` a spot that holds a tuple, list or dict hands it to ``fn`` whole,
+    and ``fn`` returns its replacement (the engine's taps expand it into its feature maps).
+
     Raises:
-        CamvizError: A spot holds something other than a tensor.
+        CamvizError: A spot holds something other than a tensor (or a container, if allowed).
     """
     modules = dict(model.named_modules())
 
-    def tensor_at(key: str, value: Any, path: Path) -> torch.Tensor:
+    def value_at(key: str, value: Any, path: Path) -> Any:
         found = select(value, path, key)
+        if containers and isinstance(found, (tuple, list, Mapping)):
+            return found  # fn takes the container whole
         if not isinstance(found, torch.Tensor):
             raise CamvizError(
                 f"layer {key!r} gives a {type(found).__name__}, not a tensor; pick a layer that "
@@ -142,11 +188,11 @@ def edit_spots(model: nn.Module, edits: Mapping[str, SpotFn]) -> Iterator[nn.Mod
     def on_output(
         key: str, spot: Spot, fn: SpotFn, module: nn.Module, args: Any, output: Any
     ) -> Any:
-        return replace(output, spot.path, fn(tensor_at(key, output, spot.path)))
+        return replace(output, spot.path, fn(value_at(key, output, spot.path)))
 
     def on_input(key: str, spot: Spot, fn: SpotFn, module: nn.Module, args: tuple[Any, ...]) -> Any:
         path = spot.path or (0,)
-        return replace(args, path, fn(tensor_at(key, args, path)))
+        return replace(args, path, fn(value_at(key, args, path)))
 
     with HookSet() as hooks:
         for key, fn in edits.items():

@@ -8,6 +8,8 @@ A *target* turns the model's output into one score per sample (and per rank, for
 * a sequence or 1-D tensor of ints - one class per sample (as many as the batch);
 * an ``(N, K)`` tensor of ints - K given classes per sample, one map per rank;
 * :class:`Region` - a class's logits summed over a region of a segmentation output;
+* :class:`~camviz.core.detection.Detection` - one object a detector found, by index or by
+  box and class (:mod:`camviz.core.detection`);
 * :class:`Contrast` - ``y_a - alpha * y_b``: why class ``a`` rather than class ``b`` (or the
   mean of several classes ``b``, or the classes :class:`Nearest` to ``a``);
 * a callable ``output -> (N,)`` scores - anything else (a detection score, a regression
@@ -48,6 +50,7 @@ from typing import Any, Protocol, TypeAlias
 
 import torch
 
+from camviz.core.detection import Detection, Followed, is_detection_output
 from camviz.core.errors import CamvizError, first_line
 from camviz.core.hooks import tensors_in
 
@@ -130,6 +133,8 @@ Target: TypeAlias = (
     | TopK
     | Region
     | Contrast
+    | Detection
+    | Followed
     | ScoreFn
     | None
 )
@@ -212,6 +217,8 @@ def take_rows(output: Any, rows: torch.Tensor) -> Any:
     """The rows ``rows`` of every tensor in a model output (tensor, tuple, list or dict)."""
     if isinstance(output, torch.Tensor):
         return output[rows.to(output.device)]
+    if is_detection_output(output):  # a detector's list holds one dict per row
+        return [output[row] for row in rows.tolist()]
     if isinstance(output, (tuple, list)):
         return type(output)(take_rows(item, rows) for item in output)
     if isinstance(output, Mapping):
@@ -351,6 +358,9 @@ def score_fns(
     Raises:
         CamvizError: The target does not fit the output (see :func:`class_ids`).
     """
+    if isinstance(target, (Detection, Followed)):
+        detection_scores, labels = target.resolve(output, output_key)
+        return list(detection_scores), labels
     if isinstance(target, Region):
         logits = as_logits(output, output_key)
         ids = torch.full((logits.shape[0], 1), target.class_id, device=logits.device)

@@ -19,6 +19,7 @@ from camviz.core.hooks import capture
 from camviz.core.inputs import call_model
 from camviz.core.layers import Layer
 from camviz.core.modelstate import eval_mode
+from camviz.core.precision import Precision, at_least_fp32, model_precision
 
 
 class Features(dict):
@@ -41,6 +42,8 @@ def features(
     *,
     device: torch.device | str | None = None,
     inputs_too: bool = False,
+    precision: Precision = "fp32",
+    channels_last: bool = False,
 ) -> Features:
     """Run the model once and return the outputs of named layers.
 
@@ -58,6 +61,12 @@ def features(
         device: Where the returned tensors live: ``None`` keeps them where they were
             computed (the model's device), ``"cpu"`` moves them off the accelerator.
         inputs_too: Also return what went into each layer, in ``result.inputs``.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the pass runs under
+            ``torch.autocast`` to that dtype and the outputs come back as float32; refused
+            on hardware that only emulates it (see :mod:`camviz.core.precision`).
+        channels_last: Hand the model a channels-last copy of its input; outputs keep the
+            memory format the layers computed them in. The model and ``inputs`` are not
+            modified.
 
     Returns:
         A :class:`Features` dict ``{layer name: output}``. A layer that runs several times
@@ -71,6 +80,7 @@ def features(
         >>> {name: tuple(value.shape) for name, value in maps.items()}
     """
     with (
+        model_precision(model, precision, channels_last),
         capture(model, layers, inputs=inputs_too, device=device) as record,
         eval_mode(model),
         torch.no_grad(),
@@ -82,7 +92,8 @@ def features(
             f"layer(s) {', '.join(map(repr, missing))} did not run in the forward pass; "
             "name layers that the model uses (`camviz inspect --model NAME` lists them)"
         )
-    return Features(
-        {name: record.activations[name] for name in record.layers},
-        {name: record.inputs[name] for name in record.layers} if inputs_too else {},
-    )
+    outputs = {name: record.activations[name] for name in record.layers}
+    inputs_of = {name: record.inputs[name] for name in record.layers} if inputs_too else {}
+    if precision != "fp32":  # autocast layers emit bf16 / fp16; callers get float32
+        outputs, inputs_of = at_least_fp32(outputs), at_least_fp32(inputs_of)
+    return Features(outputs, inputs_of)

@@ -33,6 +33,7 @@ from camviz.core.hooks import tensors_in
 from camviz.core.inputs import call_model
 from camviz.core.layers import Layer, resolve_layers
 from camviz.core.modelstate import HookSet, eval_mode
+from camviz.core.precision import Precision, model_precision
 from camviz.core.targets import Target, score_fns
 from camviz.io.atomic import atomic_write
 
@@ -228,6 +229,8 @@ def inspect(
     layers: Layer | Iterable[Layer] | None = None,
     backward: bool = False,
     target: Target = None,
+    precision: Precision = "fp32",
+    channels_last: bool = False,
 ) -> LayerTable:
     """Run the model once and tabulate every layer's output statistics, in call order.
 
@@ -243,6 +246,10 @@ def inspect(
             its gradient with respect to the layer's output.
         target: The score for ``backward``, as in :func:`camviz.explain` (default: each
             sample's top-1 logit, summed over the batch).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the pass runs under
+            ``torch.autocast`` to that dtype (statistics are reduced in float32); refused
+            on hardware that only emulates it (see :mod:`camviz.core.precision`).
+        channels_last: Hand the model a channels-last copy of its input.
 
     Returns:
         A :class:`LayerTable`.
@@ -252,7 +259,7 @@ def inspect(
         >>> print(table); table.to_csv("layers.csv")
     """
     recorder = _Recorder(model, layers, gradients=backward)
-    with recorder, eval_mode(model):
+    with model_precision(model, precision, channels_last), recorder, eval_mode(model):
         if not backward:
             with torch.no_grad():
                 call_model(model, inputs)
@@ -330,7 +337,9 @@ class NonFiniteReport:
         )
 
 
-def find_first_nonfinite(model: nn.Module, inputs: Any) -> NonFiniteReport | None:
+def find_first_nonfinite(
+    model: nn.Module, inputs: Any, *, precision: Precision = "fp32", channels_last: bool = False
+) -> NonFiniteReport | None:
     """Name the first layer, in call order, whose output holds a NaN or an Inf.
 
     One forward pass under ``torch.no_grad()``, every module in eval mode; the model comes
@@ -340,6 +349,8 @@ def find_first_nonfinite(model: nn.Module, inputs: Any) -> NonFiniteReport | Non
     Args:
         model: Any ``nn.Module``.
         inputs: A tensor, a tuple of positional tensors or a dict of keyword tensors.
+        precision, channels_last: As in :func:`inspect` (fp16 overflows where fp32 does not:
+            pass the precision under which the NaN appeared).
 
     Returns:
         A :class:`NonFiniteReport` (``print`` it for a one-paragraph diagnosis), or ``None``
@@ -350,7 +361,12 @@ def find_first_nonfinite(model: nn.Module, inputs: Any) -> NonFiniteReport | Non
         >>> print(report or "all finite")
     """
     recorder = _Recorder(model, None, gradients=False, inputs=True)
-    with recorder, eval_mode(model), torch.no_grad():
+    with (
+        model_precision(model, precision, channels_last),
+        recorder,
+        eval_mode(model),
+        torch.no_grad(),
+    ):
         call_model(model, inputs)
     rows = recorder.rows()
     for index, row in enumerate(rows):

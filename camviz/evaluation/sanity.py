@@ -233,7 +233,9 @@ def _explainer(
         def explain_with_cam(
             model: nn.Module, inputs: torch.Tensor, target: Target
         ) -> torch.Tensor:
-            return explain(model, inputs, method, layer, target).heatmaps
+            heatmaps = explain(model, inputs, method, layer, target).heatmaps
+            assert isinstance(heatmaps, torch.Tensor)  # a tensor in gives a tensor out
+            return heatmaps
 
         return explain_with_cam, name
     if callable(method):

@@ -81,7 +81,7 @@ def load_image(path: PathLike, *, max_pixels: int | None = MAX_PIXELS) -> Image.
             if os.fstat(file.fileno()).st_size == 0:
                 raise CamvizError(f"{path} is empty (0 bytes); re-export or re-download it")
             image = _open(file, path)
-            _check_size(image, path, max_pixels)
+            check_size(image, path, max_pixels)
             return to_rgb(ImageOps.exif_transpose(image))
     except FileNotFoundError:
         raise CamvizError(f"image file not found: {path}; check the path") from None
@@ -109,7 +109,12 @@ def _open(file: IO[bytes], path: Path) -> Image.Image:
             ) from None
 
 
-def _check_size(image: Image.Image, path: Path, max_pixels: int | None) -> None:
+def check_size(image: Image.Image, path: Path, max_pixels: int | None) -> None:
+    """Refuse an image larger than ``max_pixels`` (from its header: nothing is decoded).
+
+    Raises:
+        CamvizError: The image has more pixels than ``max_pixels``.
+    """
     width, height = image.size
     if max_pixels is not None and width * height > max_pixels:
         raise CamvizError(
@@ -183,7 +188,8 @@ class Preprocess:
         mean: Per-channel mean subtracted after scaling to ``[0, 1]``.
         std: Per-channel standard deviation divided by.
         resize: ``"shorter"`` keeps the aspect ratio; ``"square"`` squashes the image to
-            ``size x size``, for models that need a fixed size (most ViTs).
+            ``size x size``, for models that need a fixed size (most ViTs); ``"none"`` keeps
+            the image's own size (detectors, which resize inside; ``size`` is then unused).
         interpolation: ``"bilinear"`` or ``"bicubic"`` (timm models often use bicubic).
         max_size: With ``"shorter"``, the most the longer side may have; a very wide image
             is then scaled so that its longer side is ``max_size``.
@@ -198,7 +204,7 @@ class Preprocess:
     size: int = 224
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
-    resize: Literal["shorter", "square"] = "shorter"
+    resize: Literal["shorter", "square", "none"] = "shorter"
     interpolation: Literal["bilinear", "bicubic"] = "bilinear"
     max_size: int | None = None
     multiple_of: int = 1
@@ -213,8 +219,8 @@ class Preprocess:
             object.__setattr__(self, name, values)  # lists become hashable tuples
         if min(self.std) <= 0:
             raise CamvizError(f"std values must be positive, got {self.std}")
-        if self.resize not in ("shorter", "square"):
-            raise CamvizError(f"resize must be 'shorter' or 'square', not {self.resize!r}")
+        if self.resize not in ("shorter", "square", "none"):
+            raise CamvizError(f"resize must be 'shorter', 'square' or 'none', not {self.resize!r}")
         if self.interpolation not in _INTERPOLATIONS:
             raise CamvizError(
                 f"interpolation must be one of {', '.join(_INTERPOLATIONS)}, "
@@ -231,6 +237,8 @@ class Preprocess:
         """The ``(H, W)`` of the tensor made from a ``width`` x ``height`` image."""
         if self.resize == "square":
             new_height = new_width = float(self.size)
+        elif self.resize == "none":
+            new_height, new_width = float(height), float(width)
         else:
             scale = self.size / min(width, height)
             if self.max_size is not None and max(width, height) * scale > self.max_size:
@@ -242,21 +250,35 @@ class Preprocess:
         step = self.multiple_of
         return max(step, math.floor(length / step + 0.5) * step)
 
-    def __call__(self, image: Image.Image) -> torch.Tensor:
-        """The normalised ``(3, H, W)`` float32 tensor for ``image`` (any mode)."""
-        if not isinstance(image, Image.Image):
+    def __call__(self, image: Image.Image | torch.Tensor) -> torch.Tensor:
+        """The normalised ``(3, H, W)`` float32 tensor for ``image``: a PIL image (any mode),
+        or ``(3, H, W)`` uint8 RGB pixels on any device (JPEGs decoded on a GPU), resized
+        there with torch's antialiased resize, within a level of Pillow's."""
+        if isinstance(image, torch.Tensor):
+            if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[0] != 3:
+                raise CamvizError(
+                    f"Preprocess takes (3, H, W) uint8 RGB pixels, not a {image.dtype} tensor "
+                    f"of shape {tuple(image.shape)}"
+                )
+            pixels: Image.Image | torch.Tensor = image
+            height, width = image.shape[1:]
+        elif isinstance(image, Image.Image):
+            pixels = image if image.mode == "RGB" else to_rgb(image)
+            width, height = pixels.size
+        else:
             raise CamvizError(
                 f"Preprocess takes a PIL image, not {type(image).__name__}; read files with "
                 "camviz.images.load_image"
             )
-        rgb = image if image.mode == "RGB" else to_rgb(image)
         resized = TF.resize(
-            rgb,
-            list(self.output_size(*rgb.size)),
+            pixels,
+            list(self.output_size(width, height)),
             interpolation=_INTERPOLATIONS[self.interpolation],
             antialias=True,
         )
-        scaled = TF.to_dtype(TF.pil_to_tensor(resized), torch.float32, scale=True)
+        if isinstance(resized, Image.Image):
+            resized = TF.pil_to_tensor(resized)
+        scaled = TF.to_dtype(resized, torch.float32, scale=True)
         return TF.normalize(scaled, list(self.mean), list(self.std))
 
 

@@ -1,4 +1,4 @@
-"""Load a classifier by name, with its preprocessing and class names.
+"""Load a model by name, with its preprocessing, class names and task.
 
 :func:`load` knows three kinds of name, and each gives the same :class:`LoadedModel`:
 
@@ -8,7 +8,9 @@
   (``_conv_stem``, ``_blocks.0._depthwise_conv``), in the same order as timm's
   ``tf_efficientnet_lite0``, so the tensors are matched by position and every pair of shapes
   is checked.
-* A torchvision classifier (``"resnet50"``, ``"convnext_tiny"``), with its default weights.
+* A torchvision model (``"resnet50"``, ``"convnext_tiny"``; also the segmentation,
+  detection and video models: ``"deeplabv3_mobilenet_v3_large"``,
+  ``"fasterrcnn_mobilenet_v3_large_320_fpn"``, ``"r3d_18"``), with its default weights.
 * ``"timm:NAME"``: a timm model (``"timm:resnet50d"``), with its pretrained weights.
 
 With ``weights=PATH`` the architecture is built without weights and a local checkpoint is
@@ -18,7 +20,15 @@ could run code when loaded, so it is refused with the advice to save a state_dic
 
 Preprocessing keeps the whole image (no centre crop, see :class:`camviz.images.Preprocess`):
 the shorter side is scaled to the model's input size, so the heatmap covers the full photo.
-The mean, std and interpolation are those the weights were trained with.
+The mean, std and interpolation are those the weights were trained with. Per task:
+segmentation models get the shorter side at their weights' resize size (520); detectors get
+the photo as it is, in ``[0, 1]`` (they resize and normalise inside); video models get each
+frame with its shorter side at the weights' crop size (112 for ``r3d_18``: the Kinetics
+recipe resizes to 128x171 and crops 112, camviz keeps the whole frame) and the Kinetics mean
+and std, and take ``(N, 3, T, H, W)`` clips of :attr:`LoadedModel.clip_len` frames.
+
+The task (:data:`Task`) is told from the model itself (:func:`task_of`), not its name, so a
+checkpoint loaded with ``weights=PATH`` is what its architecture is.
 
 Pretrained downloads go through torch hub and the Hugging Face hub, which never leave a
 broken checkpoint in their caches; a failure is a :class:`~camviz.core.errors.CamvizError`
@@ -27,6 +37,7 @@ saying what to do instead (``--weights PATH``, or the offline default).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 import pickle
@@ -90,7 +101,21 @@ _DEFAULT_LAYERS = {
 _OFFLINE_LAYER = "bn2"
 
 # torchvision models that take one fixed input size only (position embeddings, windows).
-_FIXED_SIZE = ("vit_*", "maxvit_*")
+_FIXED_SIZE = ("vit_*", "maxvit_*", "mvit_*")
+
+#: What a model does: what ``camviz explain`` explains for it and which inputs it takes.
+Task = Literal["classification", "segmentation", "detection", "video"]
+
+#: Frames per clip for a video model (the clips torchvision's Kinetics weights were trained
+#: on), unless the weights need more.
+DEFAULT_CLIP_LEN = 16
+
+# torchvision's model modules of each task other than classification.
+_TASK_MODULES: dict[Task, str] = {
+    "segmentation": "segmentation",
+    "detection": "detection",
+    "video": "video",
+}
 
 # Keys under which training scripts commonly nest the state_dict in a checkpoint.
 _WRAPPER_KEYS = ("state_dict", "model_state_dict", "model")
@@ -116,6 +141,8 @@ class LoadedModel:
         name: The name the model was loaded by (``"resnet50"``, ``"timm:resnet50d"``).
         default_layer: A target layer known to give good maps, or None when camviz does
             not know one for this architecture (the engine then finds one itself).
+        task: What the model does (see :func:`task_of`).
+        clip_len: For a video model, the frames of one clip; ``None`` for the others.
     """
 
     model: nn.Module
@@ -123,6 +150,8 @@ class LoadedModel:
     categories: list[str]
     name: str
     default_layer: str | None = None
+    task: Task = "classification"
+    clip_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -135,31 +164,36 @@ class _Architecture:
     num_classes: int  # of the published weights
     preprocess: Preprocess
     default_layer: str | None
+    categories: list[str] | None = None  # of the published weights, when they name them
+    clip_len: int | None = None  # frames per clip, for a video model
 
 
 def available() -> list[str]:
     """The model names :func:`load` accepts without a prefix.
 
     Returns:
-        The offline default first, then torchvision's classifiers in alphabetical order.
-        Any timm model works too, as ``"timm:NAME"`` (``timm.list_models()`` lists them).
+        The offline default first, then torchvision's classifiers in alphabetical order,
+        then its segmentation, detection and video models. Any timm model works too, as
+        ``"timm:NAME"`` (``timm.list_models()`` lists them).
     """
     return [OFFLINE_MODEL, *_torchvision_names()]
 
 
 def load(name: str | None = None, weights: str | Path | None = None) -> LoadedModel:
-    """Load a classifier with its preprocessing and class names.
+    """Load a model with its preprocessing, class names and task.
 
     Args:
         name: ``None`` or ``"efficientnet_lite0"`` for the offline default, a torchvision
-            classifier name (see :func:`available`), or ``"timm:NAME"``.
+            model name (see :func:`available`), or ``"timm:NAME"``.
         weights: A local checkpoint to load into the architecture instead of its published
             weights: a state_dict saved with ``torch.save(model.state_dict(), PATH)``,
             possibly nested under ``"state_dict"``, ``"model_state_dict"`` or ``"model"``
             and with a ``"module."`` prefix, or a ``.safetensors`` file.
 
     Returns:
-        The model in eval mode, its preprocessing, class names and a known-good layer.
+        The model in eval mode, its preprocessing, class names (the weights' own, e.g.
+        COCO's for a detector; ``"class K"`` for a checkpoint with another number of
+        classes), a known-good layer, its task and, for a video model, its clip length.
 
     Raises:
         CamvizError: An unknown name (with close matches), a failed download, or a
@@ -176,13 +210,65 @@ def load(name: str | None = None, weights: str | Path | None = None) -> LoadedMo
         model, num_classes = architecture.pretrained(), architecture.num_classes
     else:
         model, num_classes = _from_checkpoint(architecture, Path(weights))
+    task = task_of(model)
+    published = architecture.categories
     return LoadedModel(
         model=model.eval(),
         preprocess=architecture.preprocess,
-        categories=_category_names(num_classes),
+        categories=list(published)
+        if published is not None and len(published) == num_classes
+        else _category_names(num_classes),
         name=architecture.name,
         default_layer=architecture.default_layer,
+        task=task,
+        clip_len=(architecture.clip_len or DEFAULT_CLIP_LEN) if task == "video" else None,
     )
+
+
+def task_of(model: nn.Module) -> Task:
+    """What ``model`` does, told from the model rather than its name.
+
+    torchvision's detectors (R-CNNs, RetinaNet, FCOS, SSD) and segmentation models (FCN,
+    DeepLabV3, LR-ASPP) by their classes; any other model whose first convolution is 3-D
+    takes clips (``"video"``); everything else is a classifier.
+    """
+    from torchvision.models import detection, segmentation
+
+    detectors = (
+        detection.generalized_rcnn.GeneralizedRCNN,
+        detection.retinanet.RetinaNet,
+        detection.fcos.FCOS,
+        detection.ssd.SSD,
+    )
+    if isinstance(model, detectors):
+        return "detection"
+    if isinstance(
+        model, (segmentation._utils._SimpleSegmentationModel, segmentation.lraspp.LRASPP)
+    ):
+        return "segmentation"
+    first = next((m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Conv3d))), None)
+    return "video" if isinstance(first, nn.Conv3d) else "classification"
+
+
+def with_input_size(loaded: LoadedModel, size: int) -> LoadedModel:
+    """``loaded`` with images (or frames) scaled to ``size`` pixels on their shorter side.
+
+    A detector keeps the photo as it is and resizes inside, so its own transform is set
+    instead: shorter side ``size``, longer side at most ``size`` times its usual ratio (a
+    fixed-size detector such as SSD: ``size x size``).
+    """
+    if not isinstance(size, int) or size < 1:
+        raise CamvizError(f"the input size must be a positive number of pixels, not {size!r}")
+    if loaded.task != "detection":
+        return dataclasses.replace(
+            loaded, preprocess=dataclasses.replace(loaded.preprocess, size=size)
+        )
+    transform: Any = loaded.model.transform  # torchvision's GeneralizedRCNNTransform
+    ratio = transform.max_size / transform.min_size[0]
+    transform.min_size, transform.max_size = (size,), max(size, round(size * ratio))
+    if transform.fixed_size is not None:
+        transform.fixed_size = (size, size)
+    return loaded
 
 
 # --- The offline default --------------------------------------------------------------------
@@ -261,48 +347,73 @@ def _import_timm() -> ModuleType:
 
 
 def _torchvision_names() -> list[str]:
+    return [name for names in _torchvision_tasks().values() for name in names]
+
+
+def _torchvision_tasks() -> dict[Task, list[str]]:
+    """torchvision's model names, per task."""
     import torchvision
 
-    return torchvision.models.list_models(module=torchvision.models)
+    classifiers = torchvision.models.list_models(module=torchvision.models)
+    return {
+        "classification": classifiers,
+        **{
+            task: torchvision.models.list_models(module=getattr(torchvision.models, module))
+            for task, module in _TASK_MODULES.items()
+        },
+    }
 
 
 def _torchvision_architecture(name: str) -> _Architecture:
     from torchvision.models import get_model, get_model_weights
 
-    from camviz.io.images import Preprocess
-
-    names = _torchvision_names()
-    if name not in names:
-        raise CamvizError(_unknown_model_message(name, names))
+    tasks = _torchvision_tasks()
+    task = next((task for task, names in tasks.items() if name in names), None)
+    if task is None:
+        raise CamvizError(_unknown_model_message(name, _torchvision_names()))
     weights = get_model_weights(name).DEFAULT
-    transforms = weights.transforms()
-    fixed = any(fnmatch.fnmatchcase(name, pattern) for pattern in _FIXED_SIZE)
-    preprocess = Preprocess(
-        size=transforms.crop_size[0],
-        mean=tuple(transforms.mean),
-        std=tuple(transforms.std),
-        resize="square" if fixed else "shorter",
-        interpolation=_interpolation(transforms.interpolation.value),
-    )
+    # Detectors and segmentation models would download their backbone's weights otherwise.
+    options = {"weights_backbone": None} if task in ("segmentation", "detection") else {}
 
     def build(num_classes: int) -> nn.Module:
         with warnings.catch_warnings():
             # GoogLeNet and Inception warn that their random initialisation will change;
             # it is overwritten by the checkpoint at once.
             warnings.filterwarnings("ignore", "The default weight initialization", FutureWarning)
-            return get_model(name, weights=None, num_classes=num_classes)
+            return get_model(name, weights=None, num_classes=num_classes, **options)
 
     def pretrained() -> nn.Module:
-        with _downloading(name):
+        with _downloading(name, task):
             return get_model(name, weights=weights)
 
+    minimum_frames = weights.meta.get("min_temporal_size", 1)
     return _Architecture(
         name=name,
         build=build,
         pretrained=pretrained,
         num_classes=len(weights.meta["categories"]),
-        preprocess=preprocess,
+        preprocess=_torchvision_preprocess(name, task, weights.transforms()),
         default_layer=_default_layer(name),
+        categories=list(weights.meta["categories"]),
+        clip_len=max(DEFAULT_CLIP_LEN, minimum_frames) if task == "video" else None,
+    )
+
+
+def _torchvision_preprocess(name: str, task: Task, transforms: Any) -> Preprocess:
+    """The whole-image preprocessing matching a torchvision model's evaluation transforms."""
+    from camviz.io.images import Preprocess
+
+    if task == "detection":  # [0, 1] pixels; the model resizes and normalises inside
+        return Preprocess(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), resize="none")
+    # Segmentation transforms resize without a crop; the others crop what they resize.
+    size = transforms.resize_size[0] if task == "segmentation" else transforms.crop_size[0]
+    fixed = any(fnmatch.fnmatchcase(name, pattern) for pattern in _FIXED_SIZE)
+    return Preprocess(
+        size=size,
+        mean=tuple(transforms.mean),
+        std=tuple(transforms.std),
+        resize="square" if fixed else "shorter",
+        interpolation=_interpolation(transforms.interpolation.value),
     )
 
 
@@ -357,8 +468,9 @@ def _default_layer(name: str) -> str | None:
 
 
 @contextmanager
-def _downloading(name: str) -> Iterator[None]:
-    """Turn a failed weights download into one line that says what to do instead."""
+def _downloading(name: str, task: Task = "classification") -> Iterator[None]:
+    """Turn a failed weights download into one line that says what to do instead (the
+    offline classifier is no substitute for a model of another task)."""
     try:
         yield
     except (OSError, RuntimeError) as error:
@@ -367,7 +479,11 @@ def _downloading(name: str) -> Iterator[None]:
 
         raise CamvizError(
             f"could not download the pretrained weights of {name} ({first_line(error)}); "
-            + _DOWNLOAD_ADVICE
+            + (
+                _DOWNLOAD_ADVICE
+                if task == "classification"
+                else "give a local checkpoint with --weights PATH (weights=PATH in Python)"
+            )
         ) from error
 
 
@@ -379,7 +495,7 @@ def _unknown_model_message(name: str, names: list[str]) -> str:
     close = difflib.get_close_matches(name.lower(), [OFFLINE_MODEL, *names], n=4, cutoff=0.6)
     suggestion = f"did you mean {', '.join(close)}? " if close else ""
     return (
-        f"unknown model {name!r}; {suggestion}Give a torchvision classifier name (see "
+        f"unknown model {name!r}; {suggestion}Give a torchvision model name (see "
         "camviz.models.available()), or timm:NAME for a timm model"
     )
 
@@ -403,6 +519,7 @@ def _from_checkpoint(architecture: _Architecture, path: Path) -> tuple[nn.Module
     """
     state_dict = read_state_dict(path)
     model = architecture.build(architecture.num_classes)
+    state_dict = _without_auxiliary_head(model.state_dict(), state_dict)
     num_classes = _checkpoint_classes(model.state_dict(), state_dict, architecture.num_classes)
     if num_classes != architecture.num_classes:
         model = architecture.build(num_classes)
@@ -414,6 +531,17 @@ def _from_checkpoint(architecture: _Architecture, path: Path) -> tuple[nn.Module
         )
     model.load_state_dict(state_dict)
     return model, num_classes
+
+
+def _without_auxiliary_head(
+    expected: Mapping[str, torch.Tensor], given: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``given`` without a segmentation model's auxiliary classifier when ``expected`` has
+    none: that head serves training only (its output is never the model's answer)."""
+    prefix = "aux_classifier."
+    if any(key.startswith(prefix) for key in expected):
+        return given
+    return {key: value for key, value in given.items() if not key.startswith(prefix)}
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:

@@ -1,8 +1,12 @@
 """Turn heatmaps and activations into pictures: colour maps, overlays, channel grids, figures.
 
 Heatmaps are ``(H, W)`` torch tensors or numpy arrays with values in ``[0, 1]``, such as
-one row of :attr:`camviz.Explanation.heatmaps`. They may come from any device; drawing
-happens on the CPU.
+one row of :attr:`camviz.Explanation.heatmaps`. They may come from any device. Overlays and
+panels are computed with torch on the CPU, or with ``device="cuda"`` on the GPU: the photo
+goes up once, the map is resized, coloured and blended there, and each picture comes back
+once, as uint8, to be encoded. The same code runs on both; on the CPU torchvision's uint8
+resize of the panel's photo tile gives Pillow's pixels in about half Pillow's time
+(``benchmarks/bench_render_device.py``).
 
 Overlays are drawn at the *original* image's size: the heatmap (computed at the model's
 input size) is stretched back onto the photo, not the photo squeezed to the model's size.
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeGuard
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
+from torchvision.transforms.v2.functional import resize
 from torchvision.utils import make_grid, save_image
 
 from camviz.core.errors import CamvizError
@@ -113,6 +118,7 @@ def overlay(
     colormap: str | Colormap = "jet",
     *,
     clip: float | None = None,
+    device: torch.device | str | None = None,
 ) -> Image.Image:
     """Blend a coloured heatmap onto an image, at the image's own size.
 
@@ -126,13 +132,17 @@ def overlay(
         alpha: Weight of the heatmap, from 0 (image only) to 1 (heatmap only).
         colormap: A matplotlib colour map name or ``Colormap``.
         clip: Percentile at which to clip the map first; see :func:`heatmap_image`.
+        device: Where the map is resized, coloured and blended (``"cuda"``: on the GPU,
+            see the module docstring); ``None`` computes on the CPU.
 
     Returns:
         An RGB image of ``image.size``.
     """
-    rgb = _as_rgb(image)
-    values = _resized(clipped(_as_map(heatmap), clip), rgb.size)
-    return Image.fromarray(_blend(rgb, values, alpha, colormap))
+    _check_alpha(alpha)
+    pixels = _pixels(_as_rgb(image), device)
+    height, width = pixels.shape[:2]
+    values = _resized(clipped(_as_map(heatmap, pixels.device), clip), (width, height))
+    return _picture(blend(pixels, values, alpha, lookup_table(colormap)))
 
 
 def panel_image(
@@ -144,6 +154,7 @@ def panel_image(
     colormap: str | Colormap = "jet",
     clip: float | None = None,
     width: int = PANEL_TILE_WIDTH,
+    device: torch.device | str | None = None,
 ) -> Image.Image:
     """Image, heatmap and overlay side by side under ``title``, drawn with Pillow.
 
@@ -159,18 +170,19 @@ def panel_image(
         colormap: A matplotlib colour map name or ``Colormap``.
         clip: Percentile at which to clip the map first; see :func:`heatmap_image`.
         width: Width of each of the three pictures, in pixels.
+        device: Where the pictures are computed; see :func:`overlay`.
     """
+    _check_alpha(alpha)
     rgb = _as_rgb(image)
     size = (width, max(1, round(rgb.height * width / rgb.width)))
-    if rgb.size != size:
-        rgb = rgb.resize(size, Image.Resampling.BILINEAR, reducing_gap=2.0)
-    values = _resized(clipped(_as_map(heatmap), clip), size)
+    pixels = _resized_pixels(_pixels(rgb, device), size)
+    values = _resized(clipped(_as_map(heatmap, pixels.device), clip), size)
     table = lookup_table(colormap)
-    tiles = {
-        "image": rgb,
-        "heatmap": Image.fromarray(apply(values, table).numpy()),
-        "overlay": Image.fromarray(_blend(rgb, values, alpha, table)),
-    }
+    gap = torch.full((size[1], _PANEL_GAP, 3), 255, dtype=torch.uint8, device=pixels.device)
+    # The three pictures side by side with their gaps: one copy back to the CPU.
+    strip = torch.cat(
+        [pixels, gap, apply(values, table), gap, blend(pixels, values, alpha, table)], dim=1
+    )
     top = _PANEL_GAP + (_TITLE_SIZE + _PANEL_GAP if title else 0)
     picture_top = top + _CAPTION_SIZE + _PANEL_GAP // 2
     canvas = Image.new(
@@ -181,10 +193,10 @@ def panel_image(
         font = ImageFont.load_default(_TITLE_SIZE)
         draw.text((canvas.width / 2, _PANEL_GAP), title, fill="black", font=font, anchor="ma")
     font = ImageFont.load_default(_CAPTION_SIZE)
-    for number, (caption, tile) in enumerate(tiles.items()):
+    for number, caption in enumerate(("image", "heatmap", "overlay")):
         left = _PANEL_GAP + number * (width + _PANEL_GAP)
         draw.text((left + width / 2, top), caption, fill="black", font=font, anchor="ma")
-        canvas.paste(tile, (left, picture_top))
+    canvas.paste(_picture(strip), (_PANEL_GAP, picture_top))
     return canvas
 
 
@@ -367,7 +379,7 @@ def panel(
 
     rgb = _as_rgb(image)
     values = _resized(_as_map(heatmap), rgb.size)
-    blended = _blend(rgb, values, alpha, colormap)
+    blended = overlay(rgb, values, alpha, colormap)
     width, height = rgb.size
     figure = Figure(figsize=(12, 4 * height / width + 0.6), layout="constrained")
     axes = figure.subplots(1, 3)
@@ -468,12 +480,12 @@ def _unknown_format(path: Path, examples: Sequence[str]) -> CamvizError:
     )
 
 
-def _as_map(heatmap: Heatmap) -> torch.Tensor:
-    """A heatmap as an ``(H, W)`` float32 CPU tensor in ``[0, 1]``."""
+def _as_map(heatmap: Heatmap, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A heatmap as an ``(H, W)`` float32 tensor in ``[0, 1]`` on ``device``."""
     if isinstance(heatmap, np.ndarray):
-        values = torch.from_numpy(np.array(heatmap, dtype=np.float32))
+        values = torch.from_numpy(np.array(heatmap, dtype=np.float32)).to(device)
     elif isinstance(heatmap, torch.Tensor):
-        values = heatmap.detach().to("cpu", torch.float32)
+        values = heatmap.detach().to(device, torch.float32)
     else:
         raise CamvizError(
             f"a heatmap must be a torch tensor or numpy array, not {type(heatmap).__name__}"
@@ -520,6 +532,27 @@ def _as_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else to_rgb(image)
 
 
+def _pixels(rgb: Image.Image, device: torch.device | str | None) -> torch.Tensor:
+    """An RGB image's ``(H, W, 3)`` uint8 pixels on ``device`` (``None``: the CPU)."""
+    pixels = torch.from_numpy(np.array(rgb))
+    return pixels if device is None else pixels.to(device)
+
+
+def _resized_pixels(pixels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """``(H, W, 3)`` uint8 pixels resized (antialiased bilinear, as Pillow's) to Pillow's
+    ``(width, height)``, on their device."""
+    width, height = size
+    if pixels.shape[:2] == (height, width):
+        return pixels
+    resized = resize(pixels.permute(2, 0, 1), [height, width], antialias=True)
+    return resized.permute(1, 2, 0)
+
+
+def _picture(pixels: torch.Tensor) -> Image.Image:
+    """``(H, W, 3)`` uint8 pixels from any device as a Pillow image (one copy to the CPU)."""
+    return Image.fromarray(pixels.cpu().numpy())
+
+
 def _resized(values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Bilinear resize of an ``(h, w)`` map to Pillow's ``(width, height)``."""
     width, height = size
@@ -534,14 +567,6 @@ def blend(
     colours = apply(values, table).float()
     blended = pixels.float().mul_(1 - alpha).add_(colours, alpha=alpha)
     return blended.round_().to(torch.uint8)
-
-
-def _blend(
-    rgb: Image.Image, values: torch.Tensor, alpha: float, colormap: str | Colormap | torch.Tensor
-) -> np.ndarray:
-    _check_alpha(alpha)
-    table = colormap if isinstance(colormap, torch.Tensor) else lookup_table(colormap)
-    return blend(torch.from_numpy(np.array(rgb)), values, alpha, table).numpy()
 
 
 def _check_alpha(alpha: float) -> None:
@@ -918,3 +943,124 @@ def _grey(image: Image.Image | torch.Tensor, shape: tuple[int, ...]) -> np.ndarr
 def _extent(values: np.ndarray) -> tuple[float, float, float, float]:
     """One shared pixel frame for an image and a map of another size."""
     return (0.0, float(values.shape[1]), float(values.shape[0]), 0.0)
+
+
+# Detections: boxes and labels drawn with Pillow ---------------------------------------------
+
+#: The colour of drawn boxes and of their labels' backgrounds: white, framed in black, so it
+#: stands out on a photo and on every colour of the heatmap.
+BOX_COLOUR = (255, 255, 255)
+
+# Width of a box's white line and of the black frame on each side of it (pixels).
+_BOX_WIDTH = 2
+_BOX_FRAME = 1
+
+# Tiles per row of a detection panel.
+_DETECTION_COLUMNS = 4
+
+
+def draw_box(image: Image.Image, box: Sequence[float], label: str = "") -> Image.Image:
+    """``image`` with a box drawn on it and, at its top-left corner, its label.
+
+    The box is a :data:`BOX_COLOUR` line from the box's edge inwards, framed in black (so
+    it shows on any colour); the label is black on that colour, above the box (below it, or
+    inside its top, where the picture has no room), never beyond the picture's edges.
+
+    Args:
+        image: The picture (an overlay at the photo's size); drawn on in place.
+        box: ``(x0, y0, x1, y1)`` in the picture's pixels, as detectors return them.
+        label: The text, e.g. ``"person 0.91"``.
+
+    Returns:
+        ``image``.
+    """
+    x0, y0, x1, y1 = (round(float(value)) for value in box)
+    draw = ImageDraw.Draw(image)
+    # Line i runs i pixels inside the box's edge: white from the edge inwards, black around.
+    for inset in range(-_BOX_FRAME, _BOX_WIDTH + _BOX_FRAME):
+        if x1 - inset >= x0 + inset and y1 - inset >= y0 + inset:
+            colour = BOX_COLOUR if 0 <= inset < _BOX_WIDTH else (0, 0, 0)
+            draw.rectangle((x0 + inset, y0 + inset, x1 - inset, y1 - inset), outline=colour)
+    outer = _BOX_FRAME
+    if label:
+        # Readable on a large photo too: about a 30th of its shorter side.
+        font = ImageFont.load_default(max(_CAPTION_SIZE, min(image.size) // 30))
+        left, top, right, bottom = draw.textbbox((0, 0), label, font=font)
+        width, height = right - left + 4, bottom - top + 4
+        x = min(max(0, x0 - outer), max(0, image.width - width))
+        # Above the box; below it where there is no room; inside its top as a last resort.
+        above, below = y0 - outer - height, y1 + outer + 1
+        y = above if above >= 0 else below if below + height < image.height else y0 + outer
+        draw.rectangle((x, y, x + width, y + height), fill=BOX_COLOUR)
+        draw.text((x + 2 - left, y + 2 - top), label, fill="black", font=font)
+    return image
+
+
+def detection_panel(
+    image: Image.Image,
+    heatmaps: Sequence[Heatmap],
+    boxes: Sequence[Sequence[float]],
+    labels: Sequence[str],
+    *,
+    title: str = "",
+    alpha: float = 0.5,
+    colormap: str | Colormap = "jet",
+    clip: float | None = None,
+    width: int = PANEL_TILE_WIDTH,
+) -> Image.Image:
+    """The photo with every box, then each object's overlay with its box, in a grid.
+
+    Tiles are ``width`` pixels wide (the photo's aspect kept), :data:`_DETECTION_COLUMNS` a
+    row, each captioned (``"all objects"``, then each label), on white, under ``title``.
+
+    Args:
+        image: The original image.
+        heatmaps: One ``(H, W)`` map in ``[0, 1]`` per object.
+        boxes: One ``(x0, y0, x1, y1)`` box per object, in the image's pixels.
+        labels: One label per object, e.g. ``"person 0.91"``.
+        title: The title, e.g. ``"gradcam, layer backbone"``.
+        alpha, colormap, clip: As in :func:`overlay`.
+        width: Width of each tile, in pixels.
+    """
+    if not len(heatmaps) == len(boxes) == len(labels):
+        raise CamvizError(
+            f"got {len(heatmaps)} maps, {len(boxes)} boxes and {len(labels)} labels; give one "
+            "of each per object"
+        )
+    rgb = _as_rgb(image)
+    scale = width / rgb.width
+    size = (width, max(1, round(rgb.height * scale)))
+    pixels = _resized_pixels(_pixels(rgb, None), size)
+    table = lookup_table(colormap)
+    scaled = [[value * scale for value in box] for box in boxes]
+    everything = _picture(pixels)
+    for box in scaled:
+        draw_box(everything, box)
+    tiles = [("all objects", everything)]
+    for heatmap, box, label in zip(heatmaps, scaled, labels, strict=True):
+        values = _resized(clipped(_as_map(heatmap), clip), size)
+        tile = _picture(blend(pixels, values, alpha, table))
+        tiles.append((label, draw_box(tile, box)))
+    return _tile_grid(tiles, size, title)
+
+
+def _tile_grid(
+    tiles: Sequence[tuple[str, Image.Image]], size: tuple[int, int], title: str
+) -> Image.Image:
+    """Captioned pictures of one ``size`` in rows of :data:`_DETECTION_COLUMNS`, on white."""
+    columns = min(len(tiles), _DETECTION_COLUMNS)
+    rows = math.ceil(len(tiles) / columns)
+    top = _PANEL_GAP + (_TITLE_SIZE + _PANEL_GAP if title else 0)
+    cell = (size[0] + _PANEL_GAP, _CAPTION_SIZE + _PANEL_GAP // 2 + size[1] + _PANEL_GAP)
+    canvas = Image.new("RGB", (columns * cell[0] + _PANEL_GAP, top + rows * cell[1]), "white")
+    draw = ImageDraw.Draw(canvas)
+    if title:
+        font = ImageFont.load_default(_TITLE_SIZE)
+        draw.text((canvas.width / 2, _PANEL_GAP), title, fill="black", font=font, anchor="ma")
+    font = ImageFont.load_default(_CAPTION_SIZE)
+    for number, (caption, tile) in enumerate(tiles):
+        left = _PANEL_GAP + (number % columns) * cell[0]
+        row_top = top + (number // columns) * cell[1]
+        draw.text((left + size[0] / 2, row_top), caption, fill="black", font=font, anchor="ma")
+        canvas.paste(tile, (left, row_top + _CAPTION_SIZE + _PANEL_GAP // 2))
+    return canvas

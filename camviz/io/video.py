@@ -136,13 +136,25 @@ class FrameReader:
         return {"_open": OrderedDict()}
 
 
+def _bgr(frame: str | os.PathLike[str] | Image.Image) -> np.ndarray:
+    """An image (or image file) as the BGR pixels OpenCV writes."""
+    if isinstance(frame, Image.Image):
+        return np.asarray(frame.convert("RGB"))[..., ::-1]
+    with Image.open(frame) as image:
+        return np.asarray(image.convert("RGB"))[..., ::-1]
+
+
+def _frame_name(frame: str | os.PathLike[str] | Image.Image, number: int) -> str:
+    return f"number {number}" if isinstance(frame, Image.Image) else os.fspath(frame)
+
+
 def write_video(
-    frames: Iterable[str | os.PathLike[str]], path: str | os.PathLike[str], fps: float
+    frames: Iterable[str | os.PathLike[str] | Image.Image], path: str | os.PathLike[str], fps: float
 ) -> int:
-    """Write image files as the frames of a video, atomically.
+    """Write image files (or images) as the frames of a video, atomically.
 
     Args:
-        frames: Image files, in order, all of one size.
+        frames: Image files or PIL images, in order, all of one size.
         path: The video to write; its extension picks the container (see :data:`FOURCC`).
         fps: Frames per second.
 
@@ -162,9 +174,8 @@ def write_video(
     writer = None
     count = 0
     try:
-        for frame_path in frames:
-            with Image.open(frame_path) as image:
-                pixels = np.asarray(image.convert("RGB"))[..., ::-1]
+        for frame in frames:
+            pixels = _bgr(frame)
             size = (pixels.shape[1], pixels.shape[0])
             if writer is None:
                 writer = cv2.VideoWriter(str(temporary), cv2.VideoWriter.fourcc(*codec), fps, size)
@@ -173,8 +184,9 @@ def write_video(
                 first_size = size
             elif size != first_size:
                 raise CamvizError(
-                    f"frame {frame_path} is {size[0]}x{size[1]}, not {first_size[0]}x"
-                    f"{first_size[1]} like the first; a video's frames must share one size"
+                    f"frame {_frame_name(frame, count)} is {size[0]}x{size[1]}, not "
+                    f"{first_size[0]}x{first_size[1]} like the first; a video's frames must "
+                    "share one size"
                 )
             writer.write(np.ascontiguousarray(pixels))
             count += 1

@@ -11,6 +11,14 @@ fullest bucket goes early, so memory stays bounded. Each heatmap covers exactly 
 
 **Unreadable inputs** (a corrupt file, a text file named ``.jpg``, a missing frame) do not
 stop the run: they come out as results with ``status == "error"`` and the reason.
+
+**JPEGs on a GPU.** With the model on CUDA, workers read JPEG files as bytes and each
+batch of them is decoded, resized and normalised on the GPU (:mod:`camviz.pipeline.decoding`).
+
+**Tasks.** Segmentation models, detectors and video models are explained through the same
+loop; :mod:`camviz.pipeline.tasks` decides what each batch explains (a predicted region, the
+detected objects, clips of ``T`` frames). An input with nothing to explain there (no object
+above the score asked for) is ``"ok"`` with no explained entry and a ``reason``.
 """
 
 from __future__ import annotations
@@ -27,14 +35,19 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from camviz.cams import get as get_method
 from camviz.cams.engine import explain
 from camviz.core.errors import CamvizError, NonFiniteError, first_line
 from camviz.core.layers import Layer
+from camviz.core.modelstate import eval_mode
+from camviz.core.precision import at_least_fp32, check_precision, forward_precision
 from camviz.core.targets import Target, as_logits, class_name
 from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
-from camviz.io.models import LoadedModel
+from camviz.io.models import LoadedModel, Task, task_of
 from camviz.io.video import FrameReader
+from camviz.pipeline.decoding import decode, decoder, device_decodes, encoded_jpeg
 from camviz.pipeline.inputs import Item, expand, not_a_regular_file
+from camviz.pipeline.tasks import Group, TaskOptions, clip_spec, plan
 
 #: How many predictions each result keeps, best first.
 TOP_PREDICTIONS = 5
@@ -53,12 +66,14 @@ class Prediction:
         score: The logit.
         probability: Its softmax probability, or ``None`` when the output is not a
             ``(N, classes)`` score table or the target is a callable.
+        box: For a detected object, its ``[x0, y0, x1, y1]`` box in the image's pixels.
     """
 
     id: int
     name: str
     score: float
     probability: float | None
+    box: list[float] | None = None
 
 
 @dataclass
@@ -70,12 +85,16 @@ class ImageResult:
         path: The file, for inputs given as paths; ``None`` for a ``Dataset``.
         frame: The video frame index, or ``None``.
         status: ``"ok"``, or ``"error"`` when the input could not be read or explained.
-        reason: Why it failed (one line), for an error.
+        reason: Why it failed (one line), for an error; for an input explained with
+            nothing to explain (no object above the score asked for), what was found.
         image: The original image, upright RGB (``None`` for errors, for tensor inputs and
             with ``keep_images=False``).
         size: The original image's ``(width, height)`` (``None`` for errors and tensors).
+        frames: For a clip, its original frames, ``(T, H, W, 3)`` uint8 (``image`` is then
+            ``None``).
         heatmaps: ``(K, H, W)`` maps in ``[0, 1]`` at the model's input size, one per
-            explained class; resize one to ``image.size`` to lay it on the photo.
+            explained class (``(K, T, H, W)`` for clips); resize one to ``image.size`` to lay
+            it on the photo.
         explained: The ``K`` explained classes with their scores, in rank order.
         top: The best :data:`TOP_PREDICTIONS` classes, best first.
         seconds: Time spent on this input: its decoding plus its share of its batch.
@@ -89,6 +108,7 @@ class ImageResult:
     status: Literal["ok", "error"]
     reason: str | None = None
     image: Image.Image | None = None
+    frames: torch.Tensor | None = None
     size: tuple[int, int] | None = None
     heatmaps: torch.Tensor | None = None
     explained: list[Prediction] = field(default_factory=list)
@@ -103,11 +123,18 @@ class ImageResult:
         return self.status == "ok"
 
 
-class ItemDataset(Dataset):
-    """Reads :class:`~camviz.pipeline.inputs.Item` s: image files, and frames of videos.
+@dataclass
+class Clip:
+    """The frames of one clip of a video, upright RGB, in order."""
 
-    ``dataset[i]`` is the upright RGB image of item ``i``; an unreadable one raises a
-    :class:`~camviz.core.errors.CamvizError` saying why.
+    frames: list[Image.Image]
+
+
+class ItemDataset(Dataset):
+    """Reads :class:`~camviz.pipeline.inputs.Item` s: image files, frames and clips of videos.
+
+    ``dataset[i]`` is the upright RGB image of item ``i`` (a :class:`Clip` for a clip); an
+    unreadable one raises a :class:`~camviz.core.errors.CamvizError` saying why.
     """
 
     def __init__(self, items: Sequence[Item], *, max_pixels: int | None = MAX_PIXELS) -> None:
@@ -118,15 +145,28 @@ class ItemDataset(Dataset):
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, index: int) -> Image.Image:
+    def __getitem__(self, index: int) -> Image.Image | Clip:
         item = self.items[index]
         # A file may have been replaced by a FIFO since the inputs were listed.
         reason = item.reason or not_a_regular_file(item.path)
         if reason is not None:
             raise CamvizError(reason)
+        if item.frame is not None and item.clip_len is not None:
+            frames = range(item.frame, item.frame + item.clip_len)
+            return Clip([self._frames.read(item.path, frame) for frame in frames])
         if item.frame is not None:
             return self._frames.read(item.path, item.frame)
         return load_image(item.path, max_pixels=self.max_pixels)
+
+    def encoded(self, index: int) -> torch.Tensor | None:
+        """The bytes of item ``index`` if it is a JPEG to decode on the device, else
+        ``None`` (read it with ``dataset[index]``); see :mod:`camviz.pipeline.decoding`."""
+        item = self.items[index]
+        if item.frame is not None or item.reason or not_a_regular_file(item.path):
+            return None
+        if decoder(item.path, on_device=True) != "device":
+            return None
+        return encoded_jpeg(item.path, self.max_pixels)
 
     def close(self) -> None:
         """Release the videos this process has open."""
@@ -139,10 +179,11 @@ class _Sample:
 
     index: int
     inputs: torch.Tensor | None = None
-    original: torch.Tensor | None = None  # (H, W, 3) uint8
+    original: torch.Tensor | None = None  # (H, W, 3) uint8; (T, H, W, 3) for a clip
     size: tuple[int, int] | None = None  # the original's (width, height)
     reason: str | None = None
     seconds: float = 0.0
+    encoded: torch.Tensor | None = None  # JPEG bytes, decoded on the device by _decoded
 
     def pin_memory(self) -> _Sample:
         """Page-locked inputs, so that the copy to a GPU does not block (the DataLoader's
@@ -160,15 +201,30 @@ class _Prepared(Dataset):
         dataset: Dataset,
         preprocess: Callable[[Image.Image], torch.Tensor],
         keep_images: bool,
+        jpegs_on_device: bool = False,
     ) -> None:
         self.dataset = dataset
         self.preprocess = preprocess
         self.keep_images = keep_images
+        self.jpegs_on_device = jpegs_on_device and isinstance(dataset, ItemDataset)
 
     def __len__(self) -> int:
         return len(cast(Sized, self.dataset))
 
     def __getitem__(self, index: int) -> _Sample:
+        """Item ``index`` preprocessed, or only read (``encoded``) for the device to decode."""
+        if self.jpegs_on_device:
+            started = time.perf_counter()
+            try:
+                encoded = cast(ItemDataset, self.dataset).encoded(index)
+            except (CamvizError, OSError):
+                encoded = None  # read it with Pillow, which says what is wrong
+            if encoded is not None:
+                return _Sample(index, encoded=encoded, seconds=time.perf_counter() - started)
+        return self.read(index)
+
+    def read(self, index: int) -> _Sample:
+        """Item ``index`` decoded on the CPU and preprocessed."""
         started = time.perf_counter()
         try:
             data = self.dataset[index]
@@ -182,6 +238,8 @@ class _Prepared(Dataset):
                 sample = _Sample(
                     index, inputs=self.preprocess(rgb), original=original, size=rgb.size
                 )
+            elif isinstance(data, Clip):
+                sample = self._clip(index, data)
             else:
                 raise CamvizError(
                     f"item {index} of the dataset is a {type(data).__name__}; a dataset must "
@@ -191,6 +249,17 @@ class _Prepared(Dataset):
             sample = _Sample(index, reason=first_line(error))
         sample.seconds = time.perf_counter() - started
         return sample
+
+    def _clip(self, index: int, clip: Clip) -> _Sample:
+        """A clip as ``(3, T, H, W)``: each frame preprocessed, stacked along time."""
+        frames = [frame if frame.mode == "RGB" else frame.convert("RGB") for frame in clip.frames]
+        original = (
+            torch.from_numpy(np.stack([np.array(frame) for frame in frames]))
+            if self.keep_images
+            else None
+        )
+        inputs = torch.stack([self.preprocess(frame) for frame in frames], dim=1)
+        return _Sample(index, inputs=inputs, original=original, size=frames[0].size)
 
 
 def explain_dataset(
@@ -208,6 +277,7 @@ def explain_dataset(
     keep_images: bool = True,
     max_pixels: int | None = MAX_PIXELS,
     progress: bool | None = False,
+    task_options: TaskOptions | None = None,
     **options: Any,
 ) -> Iterator[ImageResult]:
     """Explain every image of a folder, a list of files, a video or a ``Dataset``, lazily.
@@ -240,6 +310,9 @@ def explain_dataset(
         max_pixels: Larger images are refused (see :func:`camviz.images.load_image`).
         progress: A tqdm progress bar on stderr with images/s and the time left: ``True``,
             ``False``, or ``None`` for "when stderr is a terminal".
+        task_options: For detectors (``min_score``, ``max_objects``) and video models
+            (``clip_len``, ``stride``), whose task is told from the model; see
+            :mod:`camviz.pipeline.tasks` (``None``: its defaults).
         **options: Passed to :func:`camviz.explain` (``output_key=``, ``aug_smooth=``,
             ``precision=``, ``channels_last=``, method options).
 
@@ -253,11 +326,12 @@ def explain_dataset(
             or ``target`` is raised when the first batch is explained.
     """
     if isinstance(model, LoadedModel):
-        network, categories = model.model, model.categories
+        network, categories, task = model.model, model.categories, model.task
         preprocess = preprocess if preprocess is not None else model.preprocess
         layer = layer if layer is not None else model.default_layer
+        clip_len = model.clip_len
     elif isinstance(model, nn.Module):
-        network, categories = model, None
+        network, categories, task, clip_len = model, None, task_of(model), None
         preprocess = preprocess if preprocess is not None else Preprocess()
     else:
         raise CamvizError(
@@ -269,15 +343,18 @@ def explain_dataset(
     if not isinstance(workers, int) or workers < 0:
         raise CamvizError(f"workers must be 0 or more, not {workers!r}")
     if not isinstance(data, Dataset):
-        items: list[Item] | None = expand(data, every=every)
+        clips = clip_spec(task, clip_len, task_options or TaskOptions())
+        items: list[Item] | None = expand(data, every=every, clips=clips)
         if not items:
             raise CamvizError("no image or video found in the inputs; check the paths")
         data = ItemDataset(items, max_pixels=max_pixels)
     known = data.items if isinstance(data, ItemDataset) else None
     order = list(range(len(cast(Sized, data)))) if indices is None else list(indices)
-    explainer = _BatchExplainer(network, categories, method, layer, target, options)
+    explainer = _BatchExplainer(
+        network, categories, method, layer, target, options, task, task_options
+    )
     loader = DataLoader(
-        _Prepared(data, preprocess, keep_images),
+        _Prepared(data, preprocess, keep_images, device_decodes(explainer.device, preprocess)),
         batch_size=batch_size,
         sampler=order,
         num_workers=workers,
@@ -307,7 +384,8 @@ def _explained(
         smoothing=0.1,
     )
     try:
-        for samples in batches:
+        for read in batches:
+            samples = _decoded(read, cast(_Prepared, loader.dataset), explainer.device)
             for sample in samples:
                 if sample.reason is not None:
                     bar.update(1)
@@ -326,6 +404,33 @@ def _explained(
         prepared = loader.dataset
         if isinstance(prepared, _Prepared) and isinstance(prepared.dataset, ItemDataset):
             prepared.dataset.close()
+
+
+def _decoded(samples: list[_Sample], prepared: _Prepared, device: torch.device) -> list[_Sample]:
+    """``samples`` with the JPEGs the workers only read decoded on ``device``, all in one
+    call, and preprocessed there; one the decoder refuses is read with Pillow instead."""
+    waiting = [position for position, sample in enumerate(samples) if sample.encoded is not None]
+    if not waiting:
+        return samples
+    started = time.perf_counter()
+    decoded = decode([cast(torch.Tensor, samples[p].encoded) for p in waiting], device)
+    share = (time.perf_counter() - started) / len(waiting)
+    samples = list(samples)
+    for position, pixels in zip(waiting, decoded, strict=True):
+        index, seconds = samples[position].index, samples[position].seconds
+        if pixels is None:
+            samples[position] = prepared.read(index)
+            continue
+        started = time.perf_counter()
+        samples[position] = _Sample(
+            index,
+            inputs=prepared.preprocess(pixels),  # type: ignore[arg-type]  # a Preprocess
+            # The original comes to the CPU once: results carry it as a PIL image.
+            original=pixels.permute(1, 2, 0).cpu() if prepared.keep_images else None,
+            size=(pixels.shape[2], pixels.shape[1]),
+            seconds=seconds + share + time.perf_counter() - started,
+        )
+    return samples
 
 
 class _Buckets:
@@ -371,6 +476,8 @@ class _BatchExplainer:
         layer: Layer | Sequence[Layer] | None,
         target: Target,
         options: dict[str, Any],
+        task: Task = "classification",
+        task_options: TaskOptions | None = None,
     ) -> None:
         self.network = network
         self.categories = categories
@@ -378,6 +485,8 @@ class _BatchExplainer:
         self.layer = layer
         self.target = target
         self.options = options
+        self.task = task
+        self.task_options = task_options or TaskOptions()
         parameter = next(network.parameters(), None)
         self.device = torch.device("cpu") if parameter is None else parameter.device
 
@@ -390,14 +499,16 @@ class _BatchExplainer:
             inputs.append(sample.inputs)
         started = time.perf_counter()
         try:
-            explanation = explain(
-                self.network,
-                torch.stack([batch.to(self.device, non_blocking=True) for batch in inputs]),
-                self.method,
-                self.layer,
+            batch = torch.stack([one.to(self.device, non_blocking=True) for one in inputs])
+            groups = plan(
+                self.task,
+                self._forward,
+                batch,
                 self.target,
-                **self.options,
+                self.categories or [],
+                self.task_options,
             )
+            explained = [(group, self._explain(batch, group)) for group in groups]
         except (NonFiniteError, RuntimeError, ValueError, AssertionError) as error:
             # A model that fails on some input (an odd size, out of memory on a big batch, a
             # NaN) fails one image, not the run: the batch is retried one image at a time.
@@ -410,13 +521,49 @@ class _BatchExplainer:
             )
             return [_failed(samples[0], reason, items)]
         share = (time.perf_counter() - started) / len(samples)
-        return self._results(samples, explanation, share, items)
+        results = []
+        for group, explanation in explained:
+            chosen = [samples[position] for position in group.positions]
+            if explanation is None:
+                results += [_nothing(sample, group.reason, items, share) for sample in chosen]
+            else:
+                results += self._results(chosen, explanation, share, items, group)
+        return results
+
+    def _explain(self, batch: torch.Tensor, group: Group) -> Any:
+        """The explanation of one group's samples; ``None`` for one with nothing to explain."""
+        if group.reason is not None:
+            return None
+        inputs = batch if len(group.positions) == len(batch) else batch[group.positions]
+        return explain(self.network, inputs, self.method, self.layer, group.target, **self.options)
+
+    def _forward(self, batch: torch.Tensor) -> Any:
+        """The model's output for ``batch``, without gradients, at the run's precision."""
+        used = get_method(self.method).reduced_precision
+        dtype = check_precision(self.options.get("precision", "fp32"), self.device, used=used)
+        channels_last = self.options.get("channels_last", False)
+        with (
+            torch.no_grad(),
+            eval_mode(self.network),
+            forward_precision(self.network, dtype, channels_last, self.device),
+        ):
+            return at_least_fp32(self.network(batch))
 
     def _results(
-        self, samples: list[_Sample], explanation: Any, share: float, items: list[Item] | None
+        self,
+        samples: list[_Sample],
+        explanation: Any,
+        share: float,
+        items: list[Item] | None,
+        group: Group,
     ) -> list[ImageResult]:
-        logits = as_logits(explanation.output, self.options.get("output_key")).detach().float()
-        table = logits.dim() == 2  # (N, classes): probabilities and a top list make sense
+        # A detector's output is a list of detections per image, not a score tensor.
+        logits = (
+            torch.zeros(len(samples), 0)
+            if self.task == "detection"
+            else as_logits(explanation.output, self.options.get("output_key")).detach().float()
+        )
+        table = logits.dim() == 2 and logits.shape[1] > 0  # (N, classes): probabilities
         probabilities = logits.softmax(-1).cpu() if table else None
         if probabilities is not None:
             best = probabilities.topk(min(TOP_PREDICTIONS, logits.shape[-1]), dim=-1)
@@ -443,6 +590,7 @@ class _BatchExplainer:
                         if probabilities is not None and targets[row] >= 0
                         else None
                     ),
+                    box=group.boxes[row - rows.start] if group.boxes else None,
                 )
                 for row in rows
             ]
@@ -465,9 +613,8 @@ class _BatchExplainer:
                     path=_path(items, sample.index),
                     frame=_frame(items, sample.index),
                     status="ok",
-                    image=None
-                    if sample.original is None
-                    else Image.fromarray(sample.original.numpy()),
+                    image=_image(sample.original),
+                    frames=_frames(sample.original),
                     size=sample.size,
                     heatmaps=heatmaps[rows.start : rows.stop].clone(),
                     explained=explained,
@@ -499,6 +646,34 @@ def _finite_per_sample(
             per_sample = values.detach().cpu().reshape(count, -1)
             finite &= torch.isfinite(per_sample).all(dim=1)
     return finite.tolist()
+
+
+def _image(original: torch.Tensor | None) -> Image.Image | None:
+    """The photo of an image sample (``None`` for a clip or without originals)."""
+    return None if original is None or original.dim() != 3 else Image.fromarray(original.numpy())
+
+
+def _frames(original: torch.Tensor | None) -> torch.Tensor | None:
+    """The ``(T, H, W, 3)`` frames of a clip sample (``None`` for an image)."""
+    return original if original is not None and original.dim() == 4 else None
+
+
+def _nothing(
+    sample: _Sample, reason: str | None, items: list[Item] | None, share: float
+) -> ImageResult:
+    """The result of an input that had nothing to explain: ``"ok"``, saying why."""
+    return ImageResult(
+        index=sample.index,
+        path=_path(items, sample.index),
+        frame=_frame(items, sample.index),
+        status="ok",
+        reason=reason,
+        image=_image(sample.original),
+        frames=_frames(sample.original),
+        size=sample.size,
+        heatmaps=torch.zeros(0),
+        seconds=sample.seconds + share,
+    )
 
 
 def _failed(sample: _Sample, reason: str, items: list[Item] | None) -> ImageResult:

@@ -9,7 +9,9 @@ An *input* is one of:
 * a text file of paths (``.txt`` or ``.lst``), one input per line, relative to the list's
   own folder; blank lines and lines starting with ``#`` are ignored;
 * a video (``.mp4``, ``.avi``, ``.mov``, ``.mkv``, ``.webm``, ...): every frame, or every
-  n-th, becomes its own item.
+  n-th, becomes its own item; for a video model, every clip of ``clip_len`` frames, one
+  starting every ``stride`` frames (and one ending with the video), becomes one (named
+  after its first frame).
 
 Inputs that cannot be expanded (a missing file, a pattern that matches nothing, a video
 OpenCV cannot open, anything that is not a regular file: a FIFO, a socket, a device, or a
@@ -67,7 +69,7 @@ NAME_MAX = 255
 _NAME_RESERVE = 64
 
 # How the job names its outputs: NAME_overlay.png, NAME_rank2_panel.png, NAME_heatmap.npz.
-_OUTPUT_FILE = re.compile(r"(.+?)(_rank\d+)?_(?:overlay|panel|heatmap)\.(?:png|npz)")
+_OUTPUT_FILE = re.compile(r"(.+?)(_rank\d+)?_(?:overlay|panel|heatmap)\.(?:png|jpg|npz|mp4)")
 
 # How a video's frames are named: NAME_frames/000012.
 _FRAME_NAME = re.compile(r"(.+)_frames/\d{6}")
@@ -80,9 +82,10 @@ class Item:
     Attributes:
         path: The file, as the user wrote it (a folder's files joined onto the folder).
         name: Output file stem, unique in the run; may contain ``/`` (sub-folders).
-        frame: The frame index for a video frame, else ``None``.
+        frame: The frame index for a video frame (a clip's first frame), else ``None``.
         video: For a frame, the output stem of its video (``clip`` for ``clip.mp4``).
         reason: Why this input cannot be read, found while expanding; ``None`` if it can.
+        clip_len: For a clip, its number of frames; ``None`` for an image or one frame.
     """
 
     path: str
@@ -90,6 +93,7 @@ class Item:
     frame: int | None = None
     video: str | None = None
     reason: str | None = None
+    clip_len: int | None = None
 
     @property
     def key(self) -> str:
@@ -119,6 +123,7 @@ def expand(
     exclude: Collection[str | os.PathLike[str]] = (),
     output_folder: str | os.PathLike[str] | None = None,
     max_name_bytes: int = NAME_MAX,
+    clips: tuple[int, int] | None = None,
 ) -> list[Item]:
     """The items named by files, folders, globs, path lists and videos, in a stable order.
 
@@ -133,6 +138,8 @@ def expand(
         output_folder: Where the outputs go: a file there named like the output of another
             input is not an input.
         max_name_bytes: The file system's longest file name; longer names are shortened.
+        clips: ``(clip_len, stride)``: a video gives clips of ``clip_len`` frames, one
+            starting every ``stride`` frames (``every`` is then unused), for a video model.
 
     Raises:
         CamvizError: ``every`` is not a positive integer, or a path list cannot be read.
@@ -158,12 +165,40 @@ def expand(
     for file, name in zip(files, names, strict=True):
         if file.frames is None:
             items.append(Item(path=file.path, name=name, reason=file.reason))
+        elif clips is not None:
+            items.extend(_clips(file, name, *clips))
         else:
             items.extend(
                 Item(path=file.path, name=f"{name}_frames/{frame:06d}", frame=frame, video=name)
                 for frame in file.frames
             )
     return items
+
+
+def _clips(file: _File, name: str, clip_len: int, stride: int) -> list[Item]:
+    """The clips of a video: ``clip_len`` frames from every ``stride``-th frame on, and one
+    ending with the video's last frame when those leave frames at its end."""
+    assert file.frames is not None  # a video
+    count = file.frames.stop
+    if count < clip_len:
+        reason = (
+            f"video {file.path} has {count} frames, fewer than a clip's {clip_len}; pass a "
+            "smaller --clip-len"
+        )
+        return [Item(path=file.path, name=name, reason=reason)]
+    starts = list(range(0, count - clip_len + 1, stride))
+    if starts[-1] + clip_len < count:  # one more clip, ending with the video, covers its end
+        starts.append(count - clip_len)
+    return [
+        Item(
+            path=file.path,
+            name=f"{name}_frames/{start:06d}",
+            frame=start,
+            video=name,
+            clip_len=clip_len,
+        )
+        for start in starts
+    ]
 
 
 def _not_outputs(

@@ -14,11 +14,23 @@ their sub-folders, see :mod:`camviz.pipeline.inputs`):
 * with a ``topK`` target, each of these per explained class, as ``NAME_rankR_...``;
 * for a video ``clip.mp4``: per explained frame ``clip_frames/000012_overlay.png`` (and
   the heatmap), no panel; and ``clip_overlay.mp4``, made of those overlays;
+* for a **video model**, per clip (named after its first frame)
+  ``clip_frames/000016_overlay.mp4``, its ``T`` frames at the video's size with the
+  spatio-temporal map over each (the heatmap ``.npz`` holds the ``(T, H, W)`` map), and
+  ``clip_overlay.mp4``: each clip's frames up to where the next clip starts;
+* for a **detector**, per explained object ``NAME_overlay.png`` (``NAME_rankR_overlay.png``
+  for several), its map with its box and label drawn, and one ``NAME_panel.jpg`` with the
+  photo and every box, then each object's overlay; for a **segmentation model**, the files
+  of one image, explaining the predicted region of the class (see
+  :mod:`camviz.pipeline.tasks`);
 * ``manifest.jsonl``: one row per input, written as soon as its files are (see
   :mod:`camviz.pipeline.manifest`): ``input``, ``frame``, ``status`` (``ok`` or ``error``),
   ``reason``, ``size``, ``prediction`` (top-1), ``top5``, ``explained`` (the explained
-  classes with ``id``, ``name``, ``score``, ``probability`` and their ``files``), ``files``,
-  ``layers`` and ``seconds`` (decoding plus the image's share of its batch);
+  classes with ``id``, ``name``, ``score``, ``probability`` and their ``files``; a detected
+  object also its ``box``, ``[x0, y0, x1, y1]`` in the photo's pixels), ``files``,
+  ``layers`` and ``seconds`` (decoding plus the image's share of its batch). An input with
+  nothing to explain (no object above ``min_score``, no pixel of the class) is ``ok`` with
+  no ``explained`` entry, and its ``reason`` says so;
 * ``manifest.json``: the run's settings and, at the end, the counts (``ok``, ``error``,
   and ``already_done``: inputs a previous run had finished), the rows of the inputs that
   failed (``failures``), the videos, and ``other_files``: files in the folder written for
@@ -61,7 +73,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -80,11 +92,19 @@ from camviz.core.targets import Target
 from camviz.io.atomic import atomic_write
 from camviz.io.images import PathLike
 from camviz.io.models import LoadedModel
-from camviz.io.render import SALIENCY_PERCENTILE, overlay, panel_image
-from camviz.io.video import frame_rate, write_video
+from camviz.io.render import (
+    SALIENCY_PERCENTILE,
+    clip_video,
+    detection_panel,
+    draw_box,
+    overlay,
+    panel_image,
+)
+from camviz.io.video import FrameReader, frame_count, frame_rate, write_video
 from camviz.pipeline import distributed, lock, manifest
 from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
 from camviz.pipeline.inputs import NAME_MAX, Item, expand
+from camviz.pipeline.tasks import TaskOptions, clip_spec, fit_task, prepared
 
 #: The run's summary: settings, and every row once the run is complete.
 MANIFEST = manifest.SUMMARY
@@ -147,6 +167,8 @@ def explain_files(
     precision: str = "fp32",
     channels_last: bool = False,
     memory_budget: int | str | None = None,
+    task_options: TaskOptions | None = None,
+    input_size: int | None = None,
 ) -> dict[str, Any]:
     """Explain images, folders, globs, path lists and videos; write the results to a folder.
 
@@ -174,6 +196,13 @@ def explain_files(
         memory_budget: Bytes (or ``"512MiB"``) that the perturbed passes of Score-CAM,
             SS-CAM, IS-CAM and Ablation-CAM may add (their ``memory_budget`` option; other
             methods do not batch copies and ignore it). ``None``: the methods' default.
+        task_options: For detectors (``min_score``, ``max_objects``) and video models
+            (``clip_len``, ``stride``); ``None``: the defaults. A detector returns every
+            detection scored ``min_score`` or more during the run (see
+            :func:`camviz.pipeline.tasks.prepared`).
+        input_size: Scale images (frames) to this many pixels on their shorter side
+            instead of the model's size (for a detector: its own resize), see
+            :func:`camviz.models.with_input_size`.
 
     Returns:
         The summary, as written to ``out_dir/manifest.json`` (settings, counts, failures,
@@ -191,26 +220,36 @@ def explain_files(
     device = model_device(loaded.model) or torch.device("cpu")
     check_precision(precision, device, used=cam.reduced_precision)
     check_out_dir(out)
+    task_options = task_options or TaskOptions()
+    _check_task_outputs(loaded, outputs)
+    clips = clip_spec(loaded.task, loaded.clip_len, task_options)
     items = expand(
         inputs,
         every=every,
         exclude=manifest.written_files(out),
         output_folder=out,
         max_name_bytes=_name_max(out),
+        clips=clips,
     )
     if not items:
         raise CamvizError(
             "no image or video found in the inputs (files camviz wrote are never inputs); "
             "pass image files, folders, glob patterns, path lists or videos"
         )
+    items = fit_task(items, loaded.task, loaded.name)
     settings = _settings(loaded, method, layer, target, render, outputs)
     settings["precision"] = precision
-    with distributed.session() as context, lock.locked(out, context):
+    settings.update(_task_settings(loaded, task_options, clips, input_size))
+    with (
+        distributed.session() as context,
+        lock.locked(out, context),
+        prepared(loaded, task_options, input_size) as running,
+    ):
         try:
             _run(
                 out,
                 items,
-                loaded,
+                running,
                 settings,
                 render,
                 outputs,
@@ -226,6 +265,7 @@ def explain_files(
                 precision=precision,
                 channels_last=channels_last,
                 **method_options,
+                task_options=task_options,
             )
         except OSError as error:  # a full disk, a quota, a folder removed under the run
             reason = error.strerror or type(error).__name__
@@ -301,6 +341,7 @@ class _Job:
         self.explained = 0
         # Pixel-level saliency is drawn clipped: a few pixels hold the maximum.
         self.clip = SALIENCY_PERCENTILE if get_method(settings["method"]).pixel_level else None
+        self.device = drawing_device(model_device(loaded.model))
 
     def run(self, indices: list[int], *, writers: int, **options: Any) -> None:
         from camviz.pipeline.writer import Writer
@@ -363,14 +404,36 @@ class _Job:
         assert result.heatmaps is not None and self.log is not None  # ok; run() opened the log
         ranks = len(result.explained)
         explained = []
-        assert result.heatmaps is not None and self.log is not None  # an explained image
         for rank, (prediction, heatmap) in enumerate(
             zip(result.explained, result.heatmaps, strict=True)
         ):
             stem = item.name if ranks == 1 else f"{item.name}_rank{rank + 1}"
             files = self._write_files(stem, item, result, prediction, heatmap)
             explained.append({**_prediction(prediction), "files": files})
-        self.log.append(_row(item, result, explained))
+        panel = self._write_detection_panel(item, result) if self._detections(result) else None
+        self.log.append(_row(item, result, explained, [] if panel is None else [panel]))
+
+    def _detections(self, result: ImageResult) -> bool:
+        """Whether ``result`` holds detected objects to draw in one panel."""
+        return self.outputs.panel and bool(result.explained) and result.explained[0].box is not None
+
+    def _write_detection_panel(self, item: Item, result: ImageResult) -> str:
+        """The panel of every explained object of one image; returns its file name."""
+        assert result.image is not None and result.heatmaps is not None  # kept for panels
+        name = f"{item.name}_panel.jpg"
+        drawn = detection_panel(
+            result.image,
+            list(result.heatmaps),
+            [prediction.box or [] for prediction in result.explained],
+            [_object_label(prediction) for prediction in result.explained],
+            title=f"{result.method}, layer {', '.join(result.layers)}",
+            alpha=self.render.alpha,
+            colormap=self.render.colormap,
+            clip=self.clip,
+        )
+        with atomic_write(self.out / name) as file:
+            drawn.save(file, format="JPEG", quality=_PANEL_QUALITY)
+        return name
 
     def _write_files(
         self,
@@ -383,12 +446,17 @@ class _Job:
         files = {}
         alpha, colormap = self.render.alpha, self.render.colormap
         image = result.image  # kept whenever an overlay or a panel is drawn
-        if self.outputs.overlay:
+        if self.outputs.overlay and result.frames is not None:
+            files["overlay"] = f"{stem}_overlay{VIDEO_SUFFIX}"
+            self._write_clip(item, result.frames, heatmap, self.out / files["overlay"])
+        elif self.outputs.overlay:
             assert image is not None
             files["overlay"] = f"{stem}_overlay.png"
-            drawn = overlay(image, heatmap, alpha, colormap, clip=self.clip)
+            drawn = overlay(image, heatmap, alpha, colormap, clip=self.clip, device=self.device)
+            if prediction.box is not None:
+                draw_box(drawn, prediction.box, _object_label(prediction))
             _save_png(drawn, self.out / files["overlay"])
-        if self.outputs.panel and item.frame is None:
+        if self.outputs.panel and item.frame is None and prediction.box is None:
             assert image is not None
             files["panel"] = f"{stem}_panel.jpg"
             shown = (
@@ -399,7 +467,13 @@ class _Job:
             layers = ", ".join(result.layers)
             title = f"{prediction.name}: {shown} ({result.method}, layer {layers})"
             drawn = panel_image(
-                image, heatmap, title=title, alpha=alpha, colormap=colormap, clip=self.clip
+                image,
+                heatmap,
+                title=title,
+                alpha=alpha,
+                colormap=colormap,
+                clip=self.clip,
+                device=self.device,
             )
             with atomic_write(self.out / files["panel"]) as file:
                 drawn.save(file, format="JPEG", quality=_PANEL_QUALITY)
@@ -408,6 +482,33 @@ class _Job:
             files["heatmap"] = f"{stem}_heatmap{suffix}"
             save_heatmap(heatmap, self.out / files["heatmap"])
         return files
+
+    def _write_clip(
+        self, item: Item, frames: torch.Tensor, heatmap: torch.Tensor, path: Path
+    ) -> None:
+        """A clip's overlay video: its ``(T, H, W, 3)`` frames with the ``(T, h, w)`` map."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        clip = frames.permute(3, 0, 1, 2).float().div_(255)
+        clip_video(
+            clip,
+            heatmap,
+            path,
+            fps=frame_rate(item.path),
+            alpha=self.render.alpha,
+            colormap=self.render.colormap,
+        )
+
+
+def _object_label(prediction: Prediction) -> str:
+    """A detected object's label as drawn: its class name and score."""
+    return f"{prediction.name} {prediction.score:.2f}"
+
+
+def drawing_device(device: torch.device | None) -> torch.device | None:
+    """Where overlays and panels are computed for a model on ``device``: on a CUDA GPU, the
+    GPU itself (:mod:`camviz.io.render`); else the CPU (``None``), also for other
+    accelerators, which lack some of the operations (MPS has no ``kthvalue``)."""
+    return device if device is not None and device.type == "cuda" else None
 
 
 def save_heatmap(heatmap: torch.Tensor, path: PathLike) -> Path:
@@ -433,16 +534,22 @@ def _save_png(image: Image.Image, path: Path) -> None:
 
 
 def _prediction(prediction: Prediction) -> dict[str, Any]:
-    return {
+    entry = {
         "id": prediction.id,
         "name": prediction.name,
         "score": prediction.score,
         "probability": prediction.probability,
     }
+    if prediction.box is not None:
+        entry["box"] = [round(value, 2) for value in prediction.box]
+    return entry
 
 
-def _row(item: Item, result: ImageResult, explained: list[dict[str, Any]]) -> dict[str, Any]:
-    """The manifest row of one input (see the module docstring)."""
+def _row(
+    item: Item, result: ImageResult, explained: list[dict[str, Any]], others: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The manifest row of one input (see the module docstring); ``others``: files of the
+    whole input (a detection panel)."""
     top = [_prediction(prediction) for prediction in result.top]
     return {
         "input": item.path,
@@ -453,7 +560,7 @@ def _row(item: Item, result: ImageResult, explained: list[dict[str, Any]]) -> di
         "prediction": top[0] if top else None,
         "top5": top,
         "explained": explained,
-        "files": [name for entry in explained for name in entry["files"].values()],
+        "files": [name for entry in explained for name in entry["files"].values()] + [*others],
         "layers": result.layers,
         "seconds": round(result.seconds, 4),
     }
@@ -481,6 +588,32 @@ def _settings(
         "heatmap": outputs.heatmap,
     }
     return json.loads(json.dumps(settings))
+
+
+def _task_settings(
+    loaded: LoadedModel,
+    options: TaskOptions,
+    clips: tuple[int, int] | None,
+    input_size: int | None,
+) -> dict[str, Any]:
+    """The settings that only some tasks have (none for a classifier at its own size)."""
+    settings: dict[str, Any] = {} if input_size is None else {"input_size": input_size}
+    if loaded.task != "classification":
+        settings["task"] = loaded.task
+    if loaded.task == "detection":
+        settings.update(min_score=options.min_score, max_objects=options.max_objects)
+    if clips is not None:
+        settings.update(clip_len=clips[0], stride=clips[1])
+    return settings
+
+
+def _check_task_outputs(loaded: LoadedModel, outputs: Outputs) -> None:
+    """Refuse outputs the model's task cannot have, before any work."""
+    if loaded.task == "video" and outputs.heatmap == "png16":
+        raise CamvizError(
+            f"{loaded.name} is a video model: its maps have a time axis, which a 16-bit PNG "
+            "cannot hold; use --heatmap npz"
+        )
 
 
 def _target_text(target: Target) -> int | str | None:
@@ -546,7 +679,8 @@ def _finish(
     previous = _read_manifest(out) or {}
     rows, others = manifest.merge(out, [item.key for item in items])
     explained = [row for row in rows if row["status"] == "ok"]
-    videos = _write_videos(out, items, rows, every) if settings["overlay"] else []
+    stride = settings.get("stride")
+    videos = _write_videos(out, items, rows, every, stride) if settings["overlay"] else []
     current = {name for row in explained for name in row["files"]}
     current.update(video["file"] for video in videos)
     earlier = [name for row in others for name in row.get("files", [])]
@@ -583,28 +717,46 @@ def _finish(
 
 
 def _write_videos(
-    out: Path, items: list[Item], rows: list[dict[str, Any]], every: int
+    out: Path, items: list[Item], rows: list[dict[str, Any]], every: int, stride: int | None
 ) -> list[dict[str, Any]]:
-    """One overlay video per input video, from its explained frames' overlays, in order."""
+    """One overlay video per input video, in order: from its explained frames' overlays or,
+    for a video model (``stride`` given), from its clips' overlay videos, each clip up to
+    where the next one starts, so that every frame shows once."""
     by_key = {manifest.row_key(row): row for row in rows}
-    frames: dict[str, tuple[str, list[str]]] = {}  # video name -> (path, overlay files)
+    # video name -> (path, [(overlay file, frame or clip start)])
+    frames: dict[str, tuple[str, list[tuple[str, int]]]] = {}
     for item in items:
         row = by_key.get(item.key)
-        if item.video is None or row is None or row["status"] != "ok":
+        if item.video is None or item.frame is None or row is None or not row["explained"]:
             continue
-        frames.setdefault(item.video, (item.path, []))[1].append(
-            row["explained"][0]["files"]["overlay"]
-        )
+        overlay_file = row["explained"][0]["files"]["overlay"]
+        frames.setdefault(item.video, (item.path, []))[1].append((overlay_file, item.frame))
     videos = []
     for name, (path, overlays) in frames.items():
         video = f"{name}_overlay{VIDEO_SUFFIX}"
-        count = write_video(
-            (out / overlay_file for overlay_file in overlays),
-            out / video,
-            frame_rate(path) / every,
-        )
-        videos.append({"input": path, "frames": count, "every": every, "file": video})
+        if stride is None:
+            pictures: Iterable[Path | Image.Image] = (out / file for file, _ in overlays)
+            fps = frame_rate(path) / every
+        else:
+            pictures, fps = _clip_frames(out, overlays), frame_rate(path)
+        count = write_video(pictures, out / video, fps)
+        entry = {"input": path, "frames": count, "every": every, "file": video}
+        videos.append(entry if stride is None else {**entry, "every": 1, "stride": stride})
     return videos
+
+
+def _clip_frames(out: Path, clips: list[tuple[str, int]]) -> Iterator[Image.Image]:
+    """The frames of consecutive clips' overlay videos (file, first frame), each clip's up to
+    where the next one starts (all of the last one's)."""
+    reader = FrameReader()
+    try:
+        for number, (name, start) in enumerate(clips):
+            count = frame_count(out / name)
+            following = clips[number + 1][1] if number + 1 < len(clips) else start + count
+            for index in range(min(count, following - start)):
+                yield reader.read(str(out / name), index)
+    finally:
+        reader.close()
 
 
 def check_out_dir(out: Path) -> None:

@@ -1,0 +1,204 @@
+"""Where a layer's grid lies on each input: the one rule that lays a grid map on the input.
+
+Most models see the map input as it is given, so a layer's grid covers the whole input and
+a map is laid on it by (bi/tri)linear upsampling to the input's size (:class:`Stretch`).
+
+Torchvision's detectors (Faster/Mask/Keypoint R-CNN, RetinaNet, FCOS, SSD, SSDlite) do not.
+Their ``GeneralizedRCNNTransform`` resizes each image (keeping its aspect ratio for the
+R-CNNs, RetinaNet and FCOS; stretching it to a fixed size for SSD), then pads the batch with
+zeros to one size (multiples of ``size_divisible``, 32 for the R-CNNs). Their backbone's
+grids cover that padded tensor, in which image ``n`` fills the top-left corner of its
+resized size. A map is laid back on image ``n`` (:class:`Letterbox`) by upsampling it to
+the padded size, cropping that corner and resizing the crop to the image's own size.
+
+Which rule applies is recorded during a forward pass (:func:`recording`): a forward hook on
+every ``GeneralizedRCNNTransform`` in the model (found by type, so a detector inside a
+wrapper is found too) reads the padded size and the resized sizes from the ``ImageList`` it
+returns. The images the detector is given are taken to be the map input's samples (a
+wrapper that resizes them first is read as a stretch).
+
+A batch of images of different sizes (a list given to a detector, see
+:mod:`camviz.core.inputs`) is a zero-padded canvas: sample ``n`` fills its top-left corner
+of ``image_sizes[n]``. A map laid on such a canvas repeats its edge values outside the
+sample's own extent, so per-map statistics over the canvas (the min and max that normalise
+a map) are those over the image alone; the engine crops each map to its image.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the conventional name
+from torch import nn
+
+from camviz.core.errors import CamvizError
+from camviz.core.maps import upsample
+from camviz.core.modelstate import HookSet
+
+Size = tuple[int, ...]
+
+
+class Placement:
+    """How the grid maps of one forward pass lie on its map input."""
+
+    def lay(
+        self,
+        maps: torch.Tensor,
+        samples: torch.Tensor | None = None,
+        size: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Lay ``(R, *grid)`` maps on the map input.
+
+        Args:
+            maps: One map per row, at a layer's grid.
+            samples: ``(R,)`` the sample each row belongs to; ``None``: row ``r`` is sample
+                ``r``.
+            size: Resize the laid maps to this spatial size (the plain input, for a pass on
+                a rescaled copy of it); ``None``: the map input's own size.
+
+        Returns:
+            ``(R, *spatial)`` maps on the map input (or at ``size``).
+        """
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Stretch(Placement):
+    """The grid covers the whole input: upsample to the input's size.
+
+    Attributes:
+        canvas: The map input's spatial size.
+    """
+
+    canvas: Size
+
+    def lay(
+        self,
+        maps: torch.Tensor,
+        samples: torch.Tensor | None = None,
+        size: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        return upsample(maps, self.canvas if size is None else size)
+
+
+@dataclass(frozen=True)
+class Letterbox(Placement):
+    """A detector's grid: it covers the padded batch, each image resized in its corner.
+
+    Attributes:
+        padded: ``(Hp, Wp)``, the padded batch the detector's backbone ran on.
+        resized: ``(h_n, w_n)`` of each sample inside it.
+        original: ``(H_n, W_n)`` of each sample on the map input.
+        canvas: The map input's spatial size (the largest image of a list).
+    """
+
+    padded: Size
+    resized: tuple[Size, ...]
+    original: tuple[Size, ...]
+    canvas: Size
+
+    def lay(
+        self,
+        maps: torch.Tensor,
+        samples: torch.Tensor | None = None,
+        size: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        indices = range(len(maps)) if samples is None else samples.tolist()
+        geometry = [(self.resized[n], self.original[n]) for n in indices]
+        laid = maps.new_empty(len(maps), *self.canvas)
+        for shape in dict.fromkeys(geometry):
+            (height, width), image_size = shape
+            rows = [row for row, seen in enumerate(geometry) if seen == shape]
+            index = torch.tensor(rows, device=maps.device)
+            crop = upsample(maps[index], self.padded)[:, :height, :width]
+            image = upsample(crop, image_size)
+            # Edge values outside the image keep per-map statistics those of the image.
+            pad = (0, self.canvas[1] - image_size[1], 0, self.canvas[0] - image_size[0])
+            laid[index] = F.pad(image.unsqueeze(1), pad, mode="replicate")[:, 0]
+        return laid if size is None else upsample(laid, size)
+
+
+def _transform_type() -> type | None:
+    """Torchvision's ``GeneralizedRCNNTransform``, if torchvision's detection models are
+    loaded (no model can hold one otherwise, so nothing is imported here)."""
+    module = sys.modules.get("torchvision.models.detection.transform")
+    found = getattr(module, "GeneralizedRCNNTransform", None)
+    return found if isinstance(found, type) else None
+
+
+def detector_transforms(model: nn.Module) -> list[nn.Module]:
+    """The model's ``GeneralizedRCNNTransform`` modules (torchvision's detectors have one)."""
+    kind = _transform_type()
+    return (
+        [] if kind is None else [module for module in model.modules() if isinstance(module, kind)]
+    )
+
+
+def takes_image_lists(model: nn.Module) -> bool:
+    """Whether ``model`` is (or holds) a torchvision detector, which takes a list of images."""
+    return bool(detector_transforms(model))
+
+
+class Recorder:
+    """What the detector transforms of a model saw during one forward pass."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[Size, tuple[Size, ...]]] = []
+
+    def hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        images = output[0]
+        padded = tuple(int(extent) for extent in images.tensors.shape[-2:])
+        resized = tuple(tuple(int(e) for e in size) for size in images.image_sizes)
+        self.seen.append((padded, resized))
+
+    def placement(
+        self, canvas: Sequence[int], image_sizes: Sequence[Sequence[int]] | None, count: int
+    ) -> Placement:
+        """The rule of the recorded pass for a map input of spatial size ``canvas`` with
+        ``count`` samples (``image_sizes``: each sample's extent in it, for a list).
+
+        Raises:
+            CamvizError: The detector ran more than once, saw another number of images than
+                there are samples, or did not run for a list of images.
+        """
+        canvas = tuple(canvas)
+        if not self.seen:
+            if image_sizes is not None:
+                raise CamvizError(
+                    "a list of images was given, but the model's detector transform did not "
+                    "run; give a batch tensor (N, C, H, W) instead"
+                )
+            return Stretch(canvas)
+        if len(self.seen) > 1:
+            raise CamvizError(
+                f"the model's detector transform ran {len(self.seen)} times in one forward "
+                "pass; camviz cannot tell which one the maps lie on (explain one detector)"
+            )
+        ((padded, resized),) = self.seen
+        if len(resized) != count:
+            raise CamvizError(
+                f"the model's detector transform saw {len(resized)} images for {count} "
+                "inputs; camviz cannot tell where each map lies (give the detector the batch)"
+            )
+        original = (
+            tuple(tuple(int(e) for e in size) for size in image_sizes)
+            if image_sizes is not None
+            else (canvas,) * count
+        )
+        return Letterbox(padded, resized, original, canvas)
+
+
+@contextlib.contextmanager
+def recording(model: nn.Module) -> Iterator[Recorder]:
+    """Record, during the forward passes in the block, what the model's detector transforms
+    saw (nothing for other models); the hooks are removed on exit, errors included."""
+    recorder = Recorder()
+    with HookSet() as hooks:
+        for transform in detector_transforms(model):
+            hooks.add(transform.register_forward_hook(recorder.hook))
+        yield recorder

@@ -1,0 +1,272 @@
+"""What a folder job explains for each task of :data:`camviz.models.Task`, beyond classes.
+
+A classifier's batch is explained in one call with the user's target. The other tasks first
+look at the model's answer (one forward pass without gradients, at the run's precision) and
+then decide what to explain, sample by sample (:func:`plan`):
+
+* **segmentation**: the region the model predicts as one class, ``Region(class_id, mask)``
+  with ``mask = argmax over classes == class_id`` at the output's grid. The class is the one
+  the user names or numbers; by default each image's largest predicted class that is not
+  the background (``"__background__"`` in the weights' class names). Images that share the
+  class are explained together.
+* **detection**: each image alone (detectors answer per image), the detections scoring at
+  least ``min_score`` (of class ``target``, if one is given), at most ``max_objects``, best
+  first: ``camviz.Detection(indices)``, one map per object.
+* **video**: like a classifier, on ``(N, 3, T, H, W)`` clips.
+
+A sample with nothing to explain (no pixel of the class, no object above ``min_score``) is
+no failure: it gets a :class:`Group` with a ``reason``, which the manifest row shows.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from camviz.core.errors import CamvizError
+from camviz.core.targets import Region, Target, as_logits
+from camviz.io.models import DEFAULT_CLIP_LEN, LoadedModel, Task, with_input_size
+from camviz.pipeline.inputs import Item
+
+#: The class name torchvision's segmentation and detection weights give the background.
+BACKGROUND = "__background__"
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """Settings of the tasks other than classification.
+
+    Attributes:
+        min_score: Detection: explain the objects scored at least this.
+        max_objects: Detection: at most this many objects per image, best first.
+        clip_len: Video: frames per clip (``None``: the model's, :attr:`LoadedModel.clip_len`).
+        stride: Video: frames from one clip's start to the next (``None``: ``clip_len``).
+    """
+
+    min_score: float = 0.5
+    max_objects: int = 10
+    clip_len: int | None = None
+    stride: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.min_score >= 0:  # NaN too
+            raise CamvizError(f"min_score must be 0 or more, not {self.min_score}")
+        for name in ("max_objects", "clip_len", "stride"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise CamvizError(f"{name} must be a positive whole number, not {value!r}")
+
+
+@dataclass
+class Group:
+    """Samples of one batch explained in one call.
+
+    Attributes:
+        positions: The samples' positions in the batch.
+        target: What to explain (``None`` is a classifier's top class, as everywhere).
+        reason: Why there is nothing to explain; ``None`` when there is something.
+        boxes: Detection: the ``(x0, y0, x1, y1)`` box of each explained object, in order.
+    """
+
+    positions: list[int]
+    target: Target
+    reason: str | None = None
+    boxes: list[list[float]] = field(default_factory=list)
+
+
+def plan(
+    task: Task,
+    forward: Callable[[torch.Tensor], Any],
+    batch: torch.Tensor,
+    target: Target,
+    categories: Sequence[str],
+    options: TaskOptions,
+) -> list[Group]:
+    """How to explain ``batch`` for ``task`` (see the module docstring).
+
+    Args:
+        task: The model's task.
+        forward: Runs the model on a batch without gradients (only called for
+            segmentation and detection).
+        batch: The ``(N, 3, H, W)`` images or ``(N, 3, T, H, W)`` clips.
+        target: The user's target: a class id, a class name (segmentation, detection), or
+            ``None`` / ``"top1"`` for the default.
+        categories: The model's class names.
+        options: Detection and video settings.
+    """
+    if task == "segmentation":
+        return _segmentation(forward(batch), target, categories)
+    if task == "detection":
+        return _detection(forward(batch), target, categories, options)
+    return [Group(list(range(len(batch))), target)]
+
+
+def class_id(target: Target, categories: Sequence[str]) -> int | None:
+    """The class a segmentation or detection target names (``None``: the default).
+
+    Raises:
+        CamvizError: An unknown name or a number outside the classes, or a target these
+            tasks do not take (``top3``).
+    """
+    if target is None or target == "top1":
+        return None
+    if isinstance(target, int) and not isinstance(target, bool):
+        if not 0 <= target < len(categories):
+            raise CamvizError(
+                f"class {target} does not exist; the model has classes 0..{len(categories) - 1}"
+            )
+        return target
+    if isinstance(target, str):
+        folded = [name.casefold() for name in categories]
+        if target.casefold() in folded:
+            return folded.index(target.casefold())
+        close = difflib.get_close_matches(target, categories, n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise CamvizError(
+            f"the model has no class named {target!r}; {hint}give a class name or number "
+            f"(the model's {len(categories)} classes are in the weights' metadata)"
+        )
+    raise CamvizError(
+        f"segmentation and detection explain one class at a time; give --target a class name "
+        f"or number, not {target!r}"
+    )
+
+
+def _segmentation(output: Any, target: Target, categories: Sequence[str]) -> list[Group]:
+    predicted = as_logits(output).argmax(1)  # (N, H, W) at the output's grid
+    chosen = class_id(target, categories)
+    background = categories.index(BACKGROUND) if BACKGROUND in categories else None
+    by_class: dict[int, list[int]] = {}
+    groups = []
+    for position, classes in enumerate(predicted):
+        found = chosen if chosen is not None else _largest_class(classes, background)
+        if found is None or not bool((classes == found).any()):
+            what = "any class but the background" if found is None else repr(categories[found])
+            groups.append(Group([position], None, reason=f"no pixel is predicted as {what}"))
+        else:
+            by_class.setdefault(found, []).append(position)
+    for found, positions in by_class.items():
+        groups.append(Group(positions, Region(found, predicted[positions] == found)))
+    return groups
+
+
+def _largest_class(classes: torch.Tensor, background: int | None) -> int | None:
+    """The class predicted at the most pixels, the background left out (``None``: none)."""
+    counts = torch.bincount(classes.flatten())
+    if background is not None and background < len(counts):
+        counts[background] = 0
+    return int(counts.argmax()) if counts.numel() and int(counts.max()) > 0 else None
+
+
+def _detection(
+    outputs: Any, target: Target, categories: Sequence[str], options: TaskOptions
+) -> list[Group]:
+    from camviz.core.detection import Detection
+
+    label = class_id(target, categories)
+    groups = []
+    for position, found in enumerate(outputs):
+        scores, labels = found["scores"].tolist(), found["labels"].tolist()
+        # Detectors return their detections best first; keep that order.
+        kept = [
+            index
+            for index, (score, kind) in enumerate(zip(scores, labels, strict=True))
+            if score >= options.min_score and (label is None or kind == label)
+        ][: options.max_objects]
+        if not kept:
+            what = "" if label is None else f" of class {categories[label]!r}"
+            reason = f"no object{what} scored {options.min_score:g} or more"
+            groups.append(Group([position], None, reason=reason))
+            continue
+        boxes = found["boxes"][kept].detach().float().cpu().tolist()
+        groups.append(Group([position], Detection(kept), boxes=boxes))
+    return groups
+
+
+# The settings of torchvision's detectors that a job changes: where they are, what they are.
+_DETECTOR_SETTINGS = (
+    ("roi_heads", "score_thresh"),  # R-CNNs
+    ("", "score_thresh"),  # RetinaNet, FCOS, SSD
+    ("transform", "min_size"),
+    ("transform", "max_size"),
+    ("transform", "fixed_size"),
+)
+
+
+@contextmanager
+def prepared(
+    loaded: LoadedModel, options: TaskOptions, input_size: int | None
+) -> Iterator[LoadedModel]:
+    """``loaded`` as a job runs it; the model comes back as it was when the block ends.
+
+    Images are scaled to ``input_size`` (:func:`~camviz.models.with_input_size`), and a
+    detector returns every detection scored ``options.min_score`` or more: detectors drop
+    detections below their own threshold (0.05 for Faster R-CNN, 0.001 for SSDlite), so a
+    lower ``min_score`` would otherwise silently miss objects.
+    """
+    modules = dict(loaded.model.named_modules())  # "" is the model itself
+    saved = [
+        (modules[path], name, getattr(modules[path], name))
+        for path, name in _DETECTOR_SETTINGS
+        if path in modules and hasattr(modules[path], name)
+    ]
+    try:
+        running = loaded if input_size is None else with_input_size(loaded, input_size)
+        if loaded.task == "detection":
+            for owner, name, value in saved:
+                if name == "score_thresh" and isinstance(value, float):
+                    setattr(owner, name, min(value, options.min_score))
+        yield running
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def clip_spec(
+    task: Task, model_clip_len: int | None, options: TaskOptions
+) -> tuple[int, int] | None:
+    """``(clip_len, stride)`` of a video model's clips; ``None`` for the other tasks."""
+    if task != "video":
+        return None
+    clip_len = options.clip_len or model_clip_len or DEFAULT_CLIP_LEN
+    return clip_len, options.stride or clip_len
+
+
+def fit_task(items: list[Item], task: Task, model_name: str) -> list[Item]:
+    """``items``, with a reason on each input the model's task cannot take.
+
+    A video model takes clips, not still images; detectors and segmentation models take
+    still images, not videos (a video's frames become one item for the whole video, so it
+    is listed once).
+    """
+    if task == "video":
+        return [
+            replace(
+                item,
+                reason=f"{item.path} is a still image; {model_name} is a video model, "
+                "which explains clips of videos (.mp4, .avi, ...): pass videos",
+            )
+            if item.frame is None and item.reason is None
+            else item
+            for item in items
+        ]
+    if task not in ("detection", "segmentation"):
+        return items
+    fitted: list[Item] = []
+    videos: set[str] = set()
+    for item in items:
+        if item.video is None:
+            fitted.append(item)
+        elif item.path not in videos:
+            videos.add(item.path)
+            reason = (
+                f"{item.path} is a video; {model_name} is a {task} model, which explains still "
+                "images: pass images (or frames extracted from the video)"
+            )
+            fitted.append(Item(path=item.path, name=item.video, reason=reason))
+    return fitted
