@@ -33,8 +33,10 @@ class AblationCAM(PerturbationMethod):
         L^c   = ReLU( sum_k w^c_k A^k )
 
     Dividing by ``y^c`` only rescales the map (the engine normalises it) and flips it when
-    ``y^c < 0``; where ``y^c == 0`` the division is skipped. For a transformer layer, channel
-    ``k`` is zeroed in every token, the class and register tokens included.
+    ``y^c < 0``; where ``y^c == 0`` the division is skipped. A drop within float rounding of
+    ``y^c`` (4 eps) counts as none: passes of another batch size round the score differently.
+    For a transformer layer, channel ``k`` is zeroed in every token, the class and register
+    tokens included.
 
     Cost, and the exact shortcut: nothing before the target layer depends on the ablation.
     For each chunk of channels the layers before the target run once, on the one sample, and
@@ -89,6 +91,10 @@ class AblationCAM(PerturbationMethod):
             assert data.scores is not None  # the engine scores every rank
             original = data.scores.unsqueeze(1)
             drop = original - scores
+            # A pass of another batch size (the chunks follow the memory budget) may round
+            # the score differently: a drop within that rounding is no drop.
+            rounding = 4 * torch.finfo(scores.dtype).eps * original.abs()
+            drop = torch.where(drop.abs() <= rounding, 0, drop)
             weights.append(torch.where(original != 0, drop / original, drop))
         return weights
 
