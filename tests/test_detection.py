@@ -340,3 +340,37 @@ def test_detection_score_is_a_row_target() -> None:
     assert take_rows(found * 2, torch.tensor([1])) == [found[0]]
     (score,), _ = camviz.Detection(0).resolve(found)
     assert isinstance(score, DetectionScore)
+
+
+def test_the_roi_shortcut_replays_only_the_used_rows_and_changes_no_gradient(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from camviz.core.roiheads import RoIRows
+
+    model = build("fasterrcnn_mobilenet_v3_large_320_fpn")
+    images = torch.rand(2, 3, 64, 96, generator=torch.Generator().manual_seed(7))
+    pooled_rows: list[int] = []
+    handle = model.roi_heads.box_roi_pool.register_forward_hook(
+        lambda module, args, output: pooled_rows.append(len(output))
+    )
+    targets = {
+        "two objects": camviz.Detection([0, 2]),
+        "every detection": lambda out: torch.stack([o["scores"].sum() for o in out]),
+    }
+    try:
+        shortened = {
+            name: camviz.explain(model, images, layer="backbone", target=target, normalize=False)
+            for name, target in targets.items()
+        }
+        # forward (all proposals), then one replay per object: one row from each image
+        assert pooled_rows[1:3] == [2, 2]
+        monkeypatch.setattr(RoIRows, "of", classmethod(lambda cls, model, taps: None))
+        for name, target in targets.items():
+            plain = camviz.explain(model, images, layer="backbone", target=target, normalize=False)
+            for level, maps in plain.maps_by_layer.items():
+                scale = float(maps.abs().max()) or 1.0
+                torch.testing.assert_close(
+                    shortened[name].maps_by_layer[level], maps, atol=1e-5 * scale, rtol=1e-5
+                )
+    finally:
+        handle.remove()

@@ -311,6 +311,22 @@ def test_failed_torchvision_download_says_what_to_do(empty_torch_hub, monkeypatc
     assert caught.value.__cause__ is error
 
 
+def test_a_detector_whose_weights_fail_is_not_offered_the_offline_classifier(
+    empty_torch_hub, monkeypatch
+):
+    def fail(url: str, destination: str, *args: object, **kwargs: object) -> None:
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", fail)
+
+    with pytest.raises(CamvizError) as caught:
+        models.load("fasterrcnn_mobilenet_v3_large_320_fpn")
+
+    message = str(caught.value)
+    assert "--weights PATH" in message and "\n" not in message
+    assert "efficientnet_lite0" not in message
+
+
 @pytest.fixture
 def refusing_proxy(monkeypatch) -> Iterator[None]:
     """Route HTTPS through a local port that refuses connections: a real, instant failure.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
@@ -12,10 +13,6 @@ from camviz.cams.perturbation import PerturbationMethod, rank_scores
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
 from camviz.core.taps import edit_spots
-
-# Default bound on the ablated copies of the layer output in one pass (the later layers'
-# activations for those copies come on top).
-COPIES_MEMORY = 128 * 2**20
 
 # What a failed broadcast run looks like: shape errors from the layers after the target,
 # or a target that cannot score the rows it got.
@@ -36,8 +33,10 @@ class AblationCAM(PerturbationMethod):
         L^c   = ReLU( sum_k w^c_k A^k )
 
     Dividing by ``y^c`` only rescales the map (the engine normalises it) and flips it when
-    ``y^c < 0``; where ``y^c == 0`` the division is skipped. For a transformer layer, channel
-    ``k`` is zeroed in every token, the class and register tokens included.
+    ``y^c < 0``; where ``y^c == 0`` the division is skipped. A drop within float rounding of
+    ``y^c`` (4 eps) counts as none: passes of another batch size round the score differently.
+    For a transformer layer, channel ``k`` is zeroed in every token, the class and register
+    tokens included.
 
     Cost, and the exact shortcut: nothing before the target layer depends on the ablation.
     For each chunk of channels the layers before the target run once, on the one sample, and
@@ -45,14 +44,17 @@ class AblationCAM(PerturbationMethod):
     output, which broadcasts against any one-sample tensor that the later layers take from
     before the layer (ResNet's ``out += identity`` after ``layer4.1.bn2``). Per channel that
     is one pass of the layers *after* the target for one sample plus ``1 / chunk`` of a pass
-    of the layers before it, where a chunk holds 128 MiB of copies by default (a last conv
-    layer at 224 px: 300 channels or more); pytorch-grad-cam re-runs the whole network per
-    channel. All ranks of a top-k target are scored from the same passes.
+    of the layers before it; pytorch-grad-cam re-runs the whole network per channel. All
+    ranks of a top-k target are scored from the same passes. A chunk holds as many copies
+    as ``memory_budget`` allows for what one copy costs the layers after the target,
+    measured on the first pass (:class:`~camviz.cams.perturbation.Chunks`; a detector's
+    heads need far more per copy than the copy itself).
 
     The first chunk also carries an unablated copy, which must reproduce the score of the
     plain forward pass; if it does not, or the later layers reject the batch (a
     ``torch.cat`` with an earlier tensor, an in-place update of one), the method warns and
-    re-runs the whole network per channel instead.
+    re-runs the whole network per channel instead, in chunks sized again from what one copy
+    costs the whole network.
 
     With ``precision="bf16"`` or ``"fp16"`` Ablation-CAM still scores in float32: its weights
     are small differences of scores, which 8 bits of mantissa do not resolve.
@@ -63,8 +65,11 @@ class AblationCAM(PerturbationMethod):
     which departs from the paper; camviz zeroes, as the paper does.
 
     Args:
-        batch_size: Ablated copies per pass of the later layers (bounds memory). ``None``
-            takes as many as fit in 128 MiB (``COPIES_MEMORY``), at least one.
+        batch_size: Ablated copies per pass; overrides ``memory_budget``. ``None``: as many
+            as fit in ``memory_budget``, at least one.
+        memory_budget: Bytes (or ``"512MiB"``) the ablated passes may add at their peak;
+            ``None``: 1 GiB, on a GPU half its free memory up to 8 GiB
+            (:class:`~camviz.cams.perturbation.PerturbationMethod`).
         eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
 
@@ -86,6 +91,10 @@ class AblationCAM(PerturbationMethod):
             assert data.scores is not None  # the engine scores every rank
             original = data.scores.unsqueeze(1)
             drop = original - scores
+            # A pass of another batch size (the chunks follow the memory budget) may round
+            # the score differently: a drop within that rounding is no drop.
+            rounding = 4 * torch.finfo(scores.dtype).eps * original.abs()
+            drop = torch.where(drop.abs() <= rounding, 0, drop)
             weights.append(torch.where(original != 0, drop / original, drop))
         return weights
 
@@ -95,28 +104,31 @@ class AblationCAM(PerturbationMethod):
         if data.layout is None or data.scores is None:
             raise CamvizError("ablationcam needs the layer layout and scores; run it via explain")
         batch, channels = data.activations.shape[:2]
-        copy_bytes = data.activations[0].numel() * data.activations.element_size()
-        chunks = torch.arange(channels, device=data.activations.device).split(
-            self.batch_size or max(1, COPIES_MEMORY // copy_bytes)
-        )
         scores = data.activations.new_empty(len(ranks), batch, channels)
-        broadcast = None  # unknown until the first chunk has checked it
+        every = torch.arange(channels, device=data.activations.device)
+        # The first pass checks the shortcut (one channel, or a whole chunk of batch_size,
+        # and the unablated row) and measures what its copies cost.
+        chunks = self.chunks(data.inputs)
+        first = every[: self.batch_size or 1]
+        checked, reason = chunks.measured(
+            len(first) + 1, partial(_checked_broadcast, data, ranks, 0, first)
+        )
+        broadcast = checked is not None
+        if checked is not None:
+            scores[:, 0, first] = checked.to(scores.dtype)
+        else:
+            warnings.warn(
+                f"ablationcam: the layers after {data.layer!r} do not take a batch of "
+                f"ablated copies of one sample ({reason}); re-running the whole network per "
+                "channel instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            chunks = self.chunks(data.inputs)  # a whole-network copy costs more: measure it
         for sample in range(batch):
-            for chunk in chunks:
-                if broadcast is None:
-                    checked, reason = _checked_broadcast(data, ranks, sample, chunk)
-                    broadcast = checked is not None
-                    if checked is not None:
-                        scores[:, sample, chunk] = checked.to(scores.dtype)
-                        continue
-                    warnings.warn(
-                        f"ablationcam: the layers after {data.layer!r} do not take a batch of "
-                        f"ablated copies of one sample ({reason}); re-running the whole "
-                        "network per channel instead",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-                ablated = _ablated_pass(data, ranks, sample, chunk, broadcast)
+            todo = every[len(first) :] if sample == 0 and broadcast else every
+            ablate = partial(_ablated_pass, data, ranks, sample, broadcast=broadcast)
+            for chunk, ablated in chunks.split(todo, ablate):
                 scores[:, sample, chunk] = ablated.to(scores.dtype)  # bf16 under autocast
         return scores
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -54,6 +55,7 @@ from camviz.core.maps import normalize_signed, upsample
 from camviz.core.modelstate import eval_mode, exclusive, uncompiled
 from camviz.core.placement import Placement, recording
 from camviz.core.precision import Precision, at_least_fp32, check_precision, forward_precision
+from camviz.core.roiheads import RoIRows
 from camviz.core.similarity import Similarity
 from camviz.core.taps import (
     At,
@@ -254,7 +256,19 @@ def _layer_pass(
 ) -> LayerPass:
     taps = {name: _Tap(name, gradients, batch.main.dim() - 2) for name in layers}
     log = None
-    with edit_spots(model, taps, containers=True), recording(model) as placed, torch.no_grad():
+    # Exact gradients through a detector's RoI heads for the RoIs a score uses (second order
+    # would need the replay's graph twice: ShapleyCAM takes the plain path).
+    shortcut = (
+        RoIRows.of(model, [parse(name).name for name in layers])
+        if gradients and not hessian
+        else None
+    )
+    with (
+        edit_spots(model, taps, containers=True),
+        recording(model) as placed,
+        shortcut.cut() if shortcut else nullcontext(),
+        torch.no_grad(),
+    ):
         if record:
             with record_calls(model) as log:
                 output = batch(model)
@@ -288,12 +302,17 @@ def _layer_pass(
                     f"the explained score does not depend on layer(s) {', '.join(layers)}; "
                     "pick a layer before the model's output"
                 )
-            grads = torch.autograd.grad(
-                score.sum(),
-                list(deltas.values()),
-                retain_graph=hessian or rank < len(fns) - 1,
-                create_graph=hessian,
-                allow_unused=True,
+            retain = hessian or rank < len(fns) - 1
+            grads = (
+                shortcut.gradients(score.sum(), list(deltas.values()), retain_graph=retain)
+                if shortcut
+                else torch.autograd.grad(
+                    score.sum(),
+                    list(deltas.values()),
+                    retain_graph=retain,
+                    create_graph=hessian,
+                    allow_unused=True,
+                )
             )
             for (name, delta), grad in zip(deltas.items(), grads, strict=True):
                 per_rank[name].append(

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Literal
 
 import torch
 
 from camviz.cams.base import LayerData
 from camviz.cams.noise import SampleNoise
-from camviz.cams.perturbation import PerturbationMethod, checked_count, rank_scores
+from camviz.cams.perturbation import Chunks, PerturbationMethod, checked_count, rank_scores
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
 from camviz.core.maps import normalize
 from camviz.core.targets import probability_score, take_rows
 
-# Input values per forward pass on a CPU when no batch_size is given (see ScoreCAM).
+# At most this many input values per forward pass on a CPU when no batch_size is given
+# (see ScoreCAM).
 CPU_PASS_VALUES = 2**20
 
 Weighting = Literal["softmax", "probability"]
@@ -43,7 +45,8 @@ class ScoreCAM(PerturbationMethod):
 
     Cost: one forward pass of the whole network per channel and image (the masked input
     changes everything from the first layer on), run under ``torch.inference_mode`` in
-    chunks of ``batch_size`` masked images. Exact savings taken:
+    chunks of masked images sized to ``memory_budget`` by what the first masked image's
+    whole pass needed (:class:`~camviz.cams.perturbation.Chunks`). Exact savings taken:
 
     * a channel that is constant over the grid (common: all zero after a ReLU) has a constant
       mask, which ``s`` maps to zero (camviz's convention for a constant map): its masked
@@ -70,10 +73,14 @@ class ScoreCAM(PerturbationMethod):
     moves the masks most. camviz follows the paper's order (upsample, then normalise).
 
     Args:
-        batch_size: Masked images per forward pass (bounds memory). ``None``: on a CPU, as
-            many as hold about 2^20 input values (6 at 224 x 224, 64 at most), since small
-            batches keep a CPU's caches warm (ResNet-50 at 224 px, 2 threads: 47 ms per
-            image in batches of 4, 78 ms in batches of 32); on an accelerator, 32.
+        batch_size: Masked images per forward pass; overrides ``memory_budget``. ``None``:
+            as many as fit in ``memory_budget``, and on a CPU at most as many as hold about
+            2^20 input values (6 at 224 x 224, 64 at most), since small batches keep a
+            CPU's caches warm (ResNet-50 at 224 px, 2 threads: 47 ms per image in batches
+            of 4, 78 ms in batches of 32).
+        memory_budget: Bytes (or ``"512MiB"``) the masked passes may add at their peak;
+            ``None``: 1 GiB, on a GPU half its free memory up to 8 GiB
+            (:class:`~camviz.cams.perturbation.PerturbationMethod`).
         weighting: ``"softmax"`` (default: the paper's equation, pytorch-grad-cam and
             torchcam) or ``"probability"`` (the authors' code); needs a class-id, top-k,
             Contrast or Region target.
@@ -92,9 +99,10 @@ class ScoreCAM(PerturbationMethod):
         batch_size: int | None = None,
         weighting: Weighting = "softmax",
         *,
+        memory_budget: int | str | None = None,
         eigen_smooth: bool = False,
     ) -> None:
-        super().__init__(batch_size, eigen_smooth=eigen_smooth)
+        super().__init__(batch_size, memory_budget=memory_budget, eigen_smooth=eigen_smooth)
         if weighting not in WEIGHTINGS:
             raise CamvizError(
                 f"{self.name} needs weighting='softmax' or 'probability', not {weighting!r}"
@@ -117,19 +125,20 @@ class ScoreCAM(PerturbationMethod):
         """``(K, N, C)``: the score of each rank for each image masked by each channel."""
         return self.masked_scores(ranks, 1.0)
 
-    def masked_scores(self, ranks: Sequence[LayerData], scale: float) -> torch.Tensor:
+    def masked_scores(
+        self, ranks: Sequence[LayerData], scale: float, chunks: Chunks | None = None
+    ) -> torch.Tensor:
         """``(K, N, C)``: the score of each rank for each image masked by ``scale`` times
-        each channel's mask ``H^k``."""
+        each channel's mask ``H^k``, in ``chunks`` (default: a fresh :class:`Chunks`)."""
         data = ranks[0]
+        chunks = chunks or self.chunks(data.inputs)
         flat = data.activations.flatten(2)
         constant = flat.amax(dim=-1) == flat.amin(dim=-1)
         scores = flat.new_empty(len(ranks), *constant.shape)
-        for pairs in (~constant).nonzero().split(self.rows_per_pass(data.inputs)):
+        score = partial(self.masked_pass, ranks, lambda masks, samples: scale * masks)
+        for pairs, scored in chunks.split((~constant).nonzero(), score):
             samples, channels = pairs.unbind(dim=1)
-            masks = scale * self.masks(data, samples, channels)
-            masked = data.inputs[samples] * masks.unsqueeze(1)
             # .to: a model run under bf16 / fp16 autocast scores in that dtype
-            scored = rank_scores(data.run(masked, samples), ranks, samples)
             scores[:, samples, channels] = scored.to(scores.dtype)
         if constant.any():
             scores = torch.where(constant, self.blank_scores(data, ranks).unsqueeze(-1), scores)
@@ -145,13 +154,26 @@ class ScoreCAM(PerturbationMethod):
         blank = data.run(torch.zeros_like(data.inputs[:1]), batch[:1])
         return rank_scores(take_rows(blank, torch.zeros_like(batch)), ranks, batch)
 
-    def rows_per_pass(self, inputs: torch.Tensor) -> int:
-        """Masked images per forward pass: ``batch_size``, or the default for the device."""
-        if self.batch_size is not None:
-            return self.batch_size
+    def masked_pass(
+        self,
+        ranks: Sequence[LayerData],
+        perturb: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        pairs: torch.Tensor,
+    ) -> torch.Tensor:
+        """``(K, R)``: each rank's score of the images masked by ``perturb(masks, samples)``,
+        the masks being those of the ``(R, 2)`` (sample, channel) ``pairs``."""
+        data = ranks[0]
+        samples, channels = pairs.unbind(dim=1)
+        masks = perturb(self.masks(data, samples, channels), samples)
+        masked = data.inputs[samples] * masks.unsqueeze(1)
+        return rank_scores(data.run(masked, samples), ranks, samples)
+
+    def copies_cap(self, inputs: torch.Tensor) -> int | None:
+        """On a CPU, as many masked images as hold about 2^20 input values (at most 64):
+        small batches keep a CPU's caches warm."""
         if inputs.device.type == "cpu":
             return max(1, min(64, CPU_PASS_VALUES // inputs[0].numel()))
-        return 32
+        return None
 
     @staticmethod
     def masks(data: LayerData, samples: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
@@ -173,7 +195,7 @@ class SSCAM(ScoreCAM):
         S^c_k   = (1 / M) sum_i y^c( X (*) (H^k + delta_i) )
         alpha^c = softmax_k( S^c_k ),   L^c = ReLU( sum_k alpha^c_k A^k )
 
-    Cost: ``num_samples`` forward passes per channel and image, in chunks of ``batch_size``;
+    Cost: ``num_samples`` forward passes per channel and image, chunked as Score-CAM's;
     noise makes every mask distinct, so Score-CAM's constant-channel saving does not apply.
     Each image draws its noise from its own generator started from ``seed``
     (:class:`~camviz.cams.noise.SampleNoise`), draw by draw in channel order, so an image
@@ -183,7 +205,8 @@ class SSCAM(ScoreCAM):
     its own noise.
 
     Args:
-        batch_size: Masked images per forward pass (default: see :class:`ScoreCAM`).
+        batch_size, memory_budget: Masked images per forward pass, or the memory they may
+            take (see :class:`ScoreCAM`).
         num_samples: Noise draws ``M``.
         std: Standard deviation of the noise added to the ``[0, 1]`` masks.
         seed: Seed of the noise, for reproducible maps; ``None`` draws the seed from torch's
@@ -207,9 +230,12 @@ class SSCAM(ScoreCAM):
         seed: int | None = None,
         weighting: Weighting = "softmax",
         *,
+        memory_budget: int | str | None = None,
         eigen_smooth: bool = False,
     ) -> None:
-        super().__init__(batch_size, weighting, eigen_smooth=eigen_smooth)
+        super().__init__(
+            batch_size, weighting, memory_budget=memory_budget, eigen_smooth=eigen_smooth
+        )
         if not std >= 0:
             raise CamvizError(f"sscam needs std >= 0, got {std!r}")
         self.num_samples = checked_count(self, "num_samples", num_samples)
@@ -226,15 +252,15 @@ class SSCAM(ScoreCAM):
         pairs = torch.cartesian_prod(
             torch.arange(batch, device=inputs.device), torch.arange(channels, device=inputs.device)
         )
+
+        def noisy(masks: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
+            return masks + self.std * noise.draw(samples, masks.shape[1:], masks.dtype, sizes)
+
+        chunks = self.chunks(inputs)
         for _ in range(self.num_samples):
-            for chunk in pairs.split(self.rows_per_pass(inputs)):
+            for chunk, scored in chunks.split(pairs, partial(self.masked_pass, ranks, noisy)):
                 samples, chunk_channels = chunk.unbind(dim=1)
-                masks = self.masks(data, samples, chunk_channels)
-                draw = noise.draw(samples, masks.shape[1:], masks.dtype, sizes)
-                masked = inputs[samples] * (masks + self.std * draw).unsqueeze(1)
-                scores[:, samples, chunk_channels] += rank_scores(
-                    data.run(masked, samples), ranks, samples
-                )
+                scores[:, samples, chunk_channels] += scored
         return scores / self.num_samples
 
 
@@ -261,7 +287,8 @@ class ISCAM(ScoreCAM):
     Cost: ``num_samples`` times Score-CAM's.
 
     Args:
-        batch_size: Masked images per forward pass (default: see :class:`ScoreCAM`).
+        batch_size, memory_budget: Masked images per forward pass, or the memory they may
+            take (see :class:`ScoreCAM`).
         num_samples: Integration steps ``M`` (default 10, torchcam's).
         weighting: As for :class:`ScoreCAM` (default ``"softmax"``, the paper's).
         eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
@@ -279,14 +306,18 @@ class ISCAM(ScoreCAM):
         num_samples: int = 10,
         weighting: Weighting = "softmax",
         *,
+        memory_budget: int | str | None = None,
         eigen_smooth: bool = False,
     ) -> None:
-        super().__init__(batch_size, weighting, eigen_smooth=eigen_smooth)
+        super().__init__(
+            batch_size, weighting, memory_budget=memory_budget, eigen_smooth=eigen_smooth
+        )
         self.num_samples = checked_count(self, "num_samples", num_samples)
 
     def channel_scores(self, ranks: Sequence[LayerData]) -> torch.Tensor:
         steps = self.num_samples
-        total = self.masked_scores(ranks, 1 / steps)
+        chunks = self.chunks(ranks[0].inputs)  # measured once, for every step
+        total = self.masked_scores(ranks, 1 / steps, chunks)
         for step in range(2, steps + 1):
-            total += self.masked_scores(ranks, step * (step + 1) / (2 * steps))
+            total += self.masked_scores(ranks, step * (step + 1) / (2 * steps), chunks)
         return total / steps

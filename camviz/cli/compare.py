@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from camviz.cli.options import add_model_options, add_precision_options
+from camviz.cli.options import (
+    add_memory_budget_option,
+    add_model_options,
+    add_precision_options,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -35,6 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--batch-size", type=int, default=16, help="perturbed images per forward pass"
     )
     add_precision_options(parser)
+    add_memory_budget_option(parser)
     parser.set_defaults(run=run)
 
 
@@ -68,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         bar=None,
         precision=args.precision,
         channels_last=args.channels_last,
+        memory_budget=args.memory_budget,
     )
     written = write_report(comparison, args.out)
     print("| method | deletion AUC | insertion AUC | average drop % | win rate % | ms / image |")

@@ -7,7 +7,11 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from camviz.cli.options import add_model_options, add_precision_options
+from camviz.cli.options import (
+    add_memory_budget_option,
+    add_model_options,
+    add_precision_options,
+)
 from camviz.cli.text import printable
 
 if TYPE_CHECKING:
@@ -111,6 +115,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "detector: its own resize)",
     )
     add_precision_options(parser)
+    add_memory_budget_option(parser)
     detection = parser.add_argument_group("detection models")
     detection.add_argument(
         "--min-score",
@@ -203,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         progress=False if args.quiet else None,
         precision=args.precision,
         channels_last=args.channels_last,
+        memory_budget=args.memory_budget,
         task_options=TaskOptions(
             min_score=args.min_score,
             max_objects=args.max_objects,

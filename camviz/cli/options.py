@@ -41,6 +41,29 @@ def add_precision_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_memory_budget_option(parser: argparse.ArgumentParser) -> None:
+    """``--memory-budget``: the ``memory_budget`` of the perturbation methods."""
+    parser.add_argument(
+        "--memory-budget",
+        type=_byte_count,
+        default=None,
+        metavar="BYTES",
+        help="memory the perturbed passes of scorecam, sscam, iscam and ablationcam may add "
+        "(e.g. 512MiB, 2GB; default 1 GiB, on a GPU half its free memory up to 8 GiB); "
+        "other methods ignore it",
+    )
+
+
+def _byte_count(text: str) -> int:
+    from camviz.core.errors import CamvizError
+    from camviz.core.memory import parse_bytes
+
+    try:
+        return parse_bytes(text, option="--memory-budget")
+    except CamvizError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def load_model(args: argparse.Namespace) -> LoadedModel:
     """The model named by ``--model``/``--weights``."""
     from camviz.io.models import load

@@ -42,6 +42,7 @@ import torch
 from PIL import Image
 
 from camviz.cams.engine import explain
+from camviz.cams.perturbation import budget_option
 from camviz.cams.registry import get
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import as_batch, model_device
@@ -156,6 +157,7 @@ def compare(
     precision: Precision = "fp32",
     channels_last: bool = False,
     bar: bool | None = False,
+    memory_budget: int | str | None = None,
 ) -> Comparison:
     """Explain every image with every method and measure each map.
 
@@ -172,6 +174,8 @@ def compare(
             the metrics always run in float32.
         bar: A progress bar on stderr over the metric work: ``True``, ``False``, or ``None``
             (when stderr is a terminal).
+        memory_budget: The ``memory_budget`` of the perturbation methods among ``methods``
+            (bytes, or ``"512MiB"``); ``None``: their default.
 
     Returns:
         The :class:`Comparison`; write it with :func:`write_report`.
@@ -181,6 +185,7 @@ def compare(
     if not methods:
         raise CamvizError("no method given; pass one or more CAM method names")
     names = [get(method).name for method in methods]
+    method_options = {name: budget_option(get(name), memory_budget) for name in names}
     images = [load_image(path) for path in paths]
     labels = image_labels(paths)
     layer = layer if layer is not None else loaded.default_layer
@@ -203,11 +208,14 @@ def compare(
         class_id = int(probabilities.argmax())
         if image_index == 0:
             for name in names:  # warm-up, untimed (module docstring)
-                explain_as_asked(model, inputs, name, layer, class_id)
+                explain_as_asked(model, inputs, name, layer, class_id, **method_options[name])
         heatmaps, seconds = [], []
         for name in names:
             started = time.perf_counter()
-            heatmaps.append(explain_as_asked(model, inputs, name, layer, class_id).heatmaps[0])
+            explained = explain_as_asked(
+                model, inputs, name, layer, class_id, **method_options[name]
+            )
+            heatmaps.append(explained.heatmaps[0])
             if inputs.device.type == "cuda":
                 torch.cuda.synchronize(inputs.device)
             seconds.append(time.perf_counter() - started)

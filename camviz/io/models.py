@@ -383,7 +383,7 @@ def _torchvision_architecture(name: str) -> _Architecture:
             return get_model(name, weights=None, num_classes=num_classes, **options)
 
     def pretrained() -> nn.Module:
-        with _downloading(name):
+        with _downloading(name, task):
             return get_model(name, weights=weights)
 
     minimum_frames = weights.meta.get("min_temporal_size", 1)
@@ -468,8 +468,9 @@ def _default_layer(name: str) -> str | None:
 
 
 @contextmanager
-def _downloading(name: str) -> Iterator[None]:
-    """Turn a failed weights download into one line that says what to do instead."""
+def _downloading(name: str, task: Task = "classification") -> Iterator[None]:
+    """Turn a failed weights download into one line that says what to do instead (the
+    offline classifier is no substitute for a model of another task)."""
     try:
         yield
     except (OSError, RuntimeError) as error:
@@ -478,7 +479,11 @@ def _downloading(name: str) -> Iterator[None]:
 
         raise CamvizError(
             f"could not download the pretrained weights of {name} ({first_line(error)}); "
-            + _DOWNLOAD_ADVICE
+            + (
+                _DOWNLOAD_ADVICE
+                if task == "classification"
+                else "give a local checkpoint with --weights PATH (weights=PATH in Python)"
+            )
         ) from error
 
 

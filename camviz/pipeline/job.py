@@ -83,6 +83,7 @@ import torch
 from PIL import Image
 
 from camviz.cams import get as get_method
+from camviz.cams.perturbation import budget_option
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import model_device
 from camviz.core.layers import Layer, resolve_layers
@@ -165,6 +166,7 @@ def explain_files(
     progress: bool | None = False,
     precision: str = "fp32",
     channels_last: bool = False,
+    memory_budget: int | str | None = None,
     task_options: TaskOptions | None = None,
     input_size: int | None = None,
 ) -> dict[str, Any]:
@@ -191,6 +193,9 @@ def explain_files(
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` forward passes (see
             :func:`camviz.explain`).
         channels_last: Channels-last inputs for the model (see :func:`camviz.explain`).
+        memory_budget: Bytes (or ``"512MiB"``) that the perturbed passes of Score-CAM,
+            SS-CAM, IS-CAM and Ablation-CAM may add (their ``memory_budget`` option; other
+            methods do not batch copies and ignore it). ``None``: the methods' default.
         task_options: For detectors (``min_score``, ``max_objects``) and video models
             (``clip_len``, ``stride``); ``None``: the defaults. A detector returns every
             detection scored ``min_score`` or more during the run (see
@@ -211,6 +216,7 @@ def explain_files(
     out = Path(out_dir)
     cam = get_method(method)  # an unknown name fails before any work
     method = cam.name
+    method_options = budget_option(cam, memory_budget)  # a bad budget too
     device = model_device(loaded.model) or torch.device("cpu")
     check_precision(precision, device, used=cam.reduced_precision)
     check_out_dir(out)
@@ -258,6 +264,7 @@ def explain_files(
                 progress=progress,
                 precision=precision,
                 channels_last=channels_last,
+                **method_options,
                 task_options=task_options,
             )
         except OSError as error:  # a full disk, a quota, a folder removed under the run
