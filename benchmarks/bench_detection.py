@@ -21,30 +21,33 @@ each round runs every variant once, so that a busy machine slows them alike:
 * ``gradcam, K objects``: ``camviz.explain(model, image, target=camviz.Detection(range(K)))``,
   K maps from one call.
 
-With ``--ablation``, a fresh process runs Ablation-CAM of one detection and reports how far
-its peak resident memory rose above that of a plain forward pass (``ru_maxrss``: what the
-operating system saw), next to the memory budget it was given (``--memory-budget``, else its
-default).
+With ``--ablation``, a fresh process runs Ablation-CAM of one detection at the same layer and
+reports how far its peak resident memory rose above the resident size after a plain forward
+pass, next to the memory budget it was given (``--memory-budget``, else its default).
+``benchmarks/bench_memory.py`` measures the budget on more models, methods and budgets.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+from bench_gradcam import _status_kib
 from torch import nn
 from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_320_fpn
 
 import camviz
 from camviz.core.hooks import tensors_in
+from camviz.core.memory import default_budget, format_bytes, parse_bytes
 
 OBJECTS = (1, 5, 10)
 SIZE = 320
@@ -122,18 +125,27 @@ def timings(runs: dict[str, Callable[[], object]], repeat: int) -> dict[str, flo
 
 
 def ablation_memory(layer: str | None, memory_budget: str | None) -> dict[str, float]:
-    """In this (fresh) process: the rise of peak RSS from a forward pass to Ablation-CAM."""
+    """In this (fresh) process: Ablation-CAM's peak resident memory above the resident size
+    after a plain pass (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``, as
+    ``benchmarks/bench_memory.py`` measures it), and its budget."""
     model, batch = detector(), image()
     with torch.inference_mode():
         model(batch)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     options: dict[str, Any] = {} if memory_budget is None else {"memory_budget": memory_budget}
+    Path("/proc/self/clear_refs").write_text("5")
+    baseline = _status_kib("VmRSS")
     start = time.perf_counter()
-    target = camviz.Detection(0)
-    camviz.explain(model, batch, "ablationcam", layer=layer, target=target, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its fallback to whole-network passes on a detector
+        target = camviz.Detection(0)
+        camviz.explain(model, batch, "ablationcam", layer=layer, target=target, **options)
     seconds = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"extra": after - before, "seconds": seconds}
+    budget = default_budget(batch.device) if memory_budget is None else parse_bytes(memory_budget)
+    return {
+        "extra": (_status_kib("VmHWM") - baseline) * 1024,
+        "budget": budget,
+        "seconds": seconds,
+    }
 
 
 def main() -> None:
@@ -173,8 +185,8 @@ def main() -> None:
         measured = json.loads(child.stdout.strip().splitlines()[-1])
         print(
             f"ablationcam, 1 object: {measured['seconds']:.0f} s, peak memory "
-            f"{measured['extra'] / 2**20:.0f} MiB above a forward pass (budget: "
-            f"{args.memory_budget or 'its default'})"
+            f"{format_bytes(measured['extra'])} above a forward pass, budget "
+            f"{format_bytes(measured['budget'])}"
         )
 
 
