@@ -374,3 +374,18 @@ def test_the_roi_shortcut_replays_only_the_used_rows_and_changes_no_gradient(
                 )
     finally:
         handle.remove()
+
+
+def test_a_row_target_on_a_detector_gets_one_row_per_image() -> None:
+    model = build("fasterrcnn_mobilenet_v3_large_320_fpn")
+    images = torch.rand(2, 3, 64, 96, generator=torch.Generator().manual_seed(8))
+    seen: list[list[int]] = []
+
+    def second_score(output: Any, rows: torch.Tensor) -> torch.Tensor:
+        seen.append(rows.tolist())
+        return torch.stack([output[r]["scores"][1] for r in range(len(rows))])
+
+    by_rows = camviz.explain(model, images, layer="backbone.body.16", target=second_score)
+    assert seen[0] == [0, 1]
+    by_index = camviz.explain(model, images, layer="backbone.body.16", target=camviz.Detection(1))
+    torch.testing.assert_close(by_rows.heatmaps, by_index.heatmaps)

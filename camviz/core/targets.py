@@ -170,6 +170,8 @@ def call_target(
             wrong rows; it must take ``rows``.
     """
     if takes_rows(fn):
+        if rows is None and is_detection_output(output):  # one dict per input
+            rows = torch.arange(len(output), device=output[0]["boxes"].device)
         if rows is None:
             first = next(tensors_in(output), getattr(output, "logits", None))
             if not isinstance(first, torch.Tensor) or first.dim() == 0:
