@@ -264,3 +264,14 @@ def test_a_layer_that_folds_windows_into_the_batch_is_refused():
     model = _timm_swin().eval()
     with pytest.raises(CamvizError, match=r"outputs a batch of \d+ for 1 inputs"):
         camviz.explain(model, torch.randn(1, 3, 64, 64), layer="layers.0.blocks.0.attn")
+
+
+def test_pooled_tokens_without_a_patch_stride_are_refused_not_read_as_a_wrong_grid():
+    # MViT's last stage: 1 + 8 x 7 x 7 tokens of a 16 x 224 x 224 clip, its tokens pooled so
+    # no stride of the input gives that grid; the largest uniform grid, 1 x 18 x 18, would
+    # leave 69 "extra" tokens.
+    with pytest.raises(CamvizError, match="393 tokens, which do not form a patch grid"):
+        layout_of((1, 393, 768), "blocks.15.norm1", (16, 224, 224), None, "tokens")
+    # A ViT without a recognisable patch embedding still gets its grid and class token.
+    vit = layout_of((1, 197, 64), "blocks.11", (224, 224), None, "tokens")
+    assert (vit.grid, vit.prefix) == ((14, 14), 1)

@@ -200,6 +200,10 @@ def _matches_input(grid: Sequence[int], size: Sequence[int]) -> bool:
     )
 
 
+# The most tokens besides the patches that a grid told without the model's stride may leave.
+MAX_EXTRA_TOKENS = 16
+
+
 def _token_grid(
     tokens: int, size: tuple[int, ...] | None, patch: int | Sequence[int] | None
 ) -> tuple[int, ...]:
@@ -218,7 +222,11 @@ def _token_grid(
         ):
             return best
     uniform = [(stride,) * len(size) for stride in range(1, max(size) + 1)]
-    return _largest_grid(tokens, size, uniform)
+    grid = _largest_grid(tokens, size, uniform)
+    # Without the model's own stride, only a grid that leaves a few extra tokens (class,
+    # distillation, register tokens) is believed: MViT's pooled 8 x 7 x 7 tokens of a
+    # 16 x 224 x 224 clip would otherwise be read as a 1 x 18 x 18 grid and 69 extras.
+    return grid if tokens - math.prod(grid) <= MAX_EXTRA_TOKENS else (0,) * len(size)
 
 
 def _largest_grid(
