@@ -43,6 +43,7 @@ _EXPORTS = {
     "RowTarget": "camviz.core.targets:RowTarget",
     "Similarity": "camviz.core.similarity:Similarity",
     "TopK": "camviz.core.targets:TopK",
+    "ZeroMapWarning": "camviz.core.errors:ZeroMapWarning",
     "capture": "camviz.core.hooks:capture",
     "channel_grid": "camviz.io.render:channel_grid",
     "compare": "camviz.evaluation.report:compare",
@@ -109,6 +110,7 @@ if TYPE_CHECKING:
     from camviz.core.detection import Detection as Detection
     from camviz.core.errors import CamvizError as CamvizError
     from camviz.core.errors import NonFiniteError as NonFiniteError
+    from camviz.core.errors import ZeroMapWarning as ZeroMapWarning
     from camviz.core.hooks import capture as capture
     from camviz.core.hooks import edit as edit
     from camviz.core.similarity import Similarity as Similarity

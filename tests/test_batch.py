@@ -231,7 +231,12 @@ def test_folder_with_bad_files_gives_a_row_for_each(
     )
     assert statuses["empty.png"][0] == "error" and "empty (0 bytes)" in statuses["empty.png"][1]
     assert statuses["notes.jpg"][0] == "error" and "not an image" in statuses["notes.jpg"][1]
-    assert summary["complete"] and summary["counts"] == {"ok": 4, "error": 3, "already_done": 0}
+    assert summary["complete"] and summary["counts"] == {
+        "ok": 4,
+        "error": 3,
+        "already_done": 0,
+        "empty_maps": 0,
+    }
     assert summary["failures"] == [row for row in rows if row["status"] == "error"]
     assert "images" not in summary  # the rows stay in manifest.jsonl only
 

@@ -366,7 +366,7 @@ def test_a_non_finite_result_is_an_error_row_and_manifests_are_strict_json(tmp_p
     bright, dark = rows
     assert dark["status"] == "ok" and bright["status"] == "error"
     assert "NaN or Inf" in bright["reason"] and bright["files"] == []
-    assert summary["counts"] == {"ok": 1, "error": 1, "already_done": 0}
+    assert summary["counts"] == {"ok": 1, "error": 1, "already_done": 0, "empty_maps": 0}
     assert summary["failures"] == [bright]
 
 

@@ -71,7 +71,7 @@ def test_two_processes_write_the_manifest_of_one(
 
     assert_rows_match(by_input(shared), by_input(alone))
     shared_summary = json.loads((shared / "manifest.json").read_text())
-    assert shared_summary["counts"] == {"ok": 5, "error": 1, "already_done": 0}
+    assert shared_summary["counts"] == {"ok": 5, "error": 1, "already_done": 0, "empty_maps": 0}
     assert shared_summary["complete"]
     assert sorted(os.listdir(shared)) == sorted(os.listdir(alone))  # no per-process parts left
     maps = [name for name in os.listdir(alone) if name.endswith("_heatmap.png")]

@@ -50,6 +50,7 @@ FACTS: dict[str, list[str]] = {
     "06_detection_segmentation_video.ipynb": [
         "square: p=1.00, box [14, 45, 28, 59], map peak in it: True",
         "pointing game over 38 objects: 0.97 (a random map: 0.11)",
+        "explanations with an all-zero map (no positive evidence): 1",
         "cross: predicted region IoU 0.44 with the truth, map peak on it: True",
         "default layers ['backbone[0]', 'backbone[1]', 'backbone[pool]']",
         "maps [(160, 240), (160, 240), (200, 160), (200, 160)] of images [0, 0, 1, 1]",

@@ -30,6 +30,7 @@ of the model run in parallel.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
@@ -44,7 +45,7 @@ from camviz.cams.base import CamMethod, ChannelWeighted, LayerData
 from camviz.cams.layout import Layout, as_spatial, layout_kind, layout_of, patch_size
 from camviz.cams.registry import create
 from camviz.core.detection import Detection, DetectionScore, Followed
-from camviz.core.errors import CamvizError, NonFiniteError
+from camviz.core.errors import CamvizError, NonFiniteError, ZeroMapWarning
 from camviz.core.finite import first_nonfinite_layer, is_finite
 from camviz.core.hooks import detach_to
 from camviz.core.inputs import Inputs, Key, as_inputs, corner
@@ -538,8 +539,11 @@ def explain(
                 normalize,
             )
     ids = recorded.class_ids
+    heatmaps = _heatmaps(list(full_size.values()), batch, samples, fuse, relu, normalize)
+    if relu:
+        _warn_of_empty_maps(cam.name, heatmaps, layers)
     return Explanation(
-        heatmaps=_heatmaps(list(full_size.values()), batch, samples, fuse, relu, normalize),
+        heatmaps=heatmaps,
         layer_maps=maps_by_layer[layers[0]],
         maps_by_layer=maps_by_layer,
         targets=(ids if ids is not None else torch.full((batch_size, ranks), -1)).reshape(-1).cpu(),
@@ -565,6 +569,19 @@ def explain(
             else None
         ),
     )
+
+
+def _warn_of_empty_maps(method: str, heatmaps: Maps, layers: Sequence[str]) -> None:
+    """One line when some maps are all zero, which a picture would show as nothing."""
+    empty = sum(not bool(maps.any()) for maps in heatmaps)
+    if empty:
+        warnings.warn(
+            f"{method}: {empty} of {len(heatmaps)} maps are all zero: the explained score has "
+            f"no positive evidence at {', '.join(map(repr, layers))}; relu=False shows the "
+            "signed map, or pick another layer",
+            ZeroMapWarning,
+            stacklevel=3,
+        )
 
 
 def _detection_scores(fns: Sequence[ScoreFn]) -> list[DetectionScore]:

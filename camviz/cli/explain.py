@@ -288,6 +288,12 @@ def _report(manifest: dict, out: str) -> None:
         )
     else:
         summary = f"explained {counts['ok']} of {total} inputs -> {where}"
+    empty = counts.get("empty_maps", 0)
+    if empty:
+        _warn(
+            f"{empty} map(s) are all zero: no positive evidence at the layer (their rows say "
+            '"empty": true); try another --layer'
+        )
     print(printable(summary))
 
 

@@ -1,4 +1,4 @@
-"""The one exception type that camviz raises for user mistakes.
+"""The exception type that camviz raises for user mistakes, and its warnings.
 
 Every message says what was wrong and what to do about it, in one line, so that the CLI
 can print it as it is and exit non-zero without a traceback.
@@ -14,6 +14,15 @@ class NonFiniteError(CamvizError):
 
     It belongs to the inputs that produced it, so a run over many inputs records it for
     those inputs and goes on with the others.
+    """
+
+
+class ZeroMapWarning(RuntimeWarning):
+    """Some maps are all zero: the explained score has no positive evidence at the layer.
+
+    Such a map is an answer, not a failure (after the ReLU of the CAM formulas, evidence
+    against the class is dropped), but a picture of it shows nothing; ``relu=False`` shows
+    the signed map. The folder job records it in the manifest instead of warning.
     """
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -37,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from camviz.cams import get as get_method
 from camviz.cams.engine import explain
-from camviz.core.errors import CamvizError, NonFiniteError, first_line
+from camviz.core.errors import CamvizError, NonFiniteError, ZeroMapWarning, first_line
 from camviz.core.layers import Layer
 from camviz.core.modelstate import eval_mode
 from camviz.core.precision import at_least_fp32, check_precision, forward_precision
@@ -535,7 +536,12 @@ class _BatchExplainer:
         if group.reason is not None:
             return None
         inputs = batch if len(group.positions) == len(batch) else batch[group.positions]
-        return explain(self.network, inputs, self.method, self.layer, group.target, **self.options)
+        with warnings.catch_warnings():
+            # The rows say which maps are all zero (``empty``), once per map, not per batch.
+            warnings.simplefilter("ignore", ZeroMapWarning)
+            return explain(
+                self.network, inputs, self.method, self.layer, group.target, **self.options
+            )
 
     def _forward(self, batch: torch.Tensor) -> Any:
         """The model's output for ``batch``, without gradients, at the run's precision."""

@@ -27,14 +27,16 @@ their sub-folders, see :mod:`camviz.pipeline.inputs`):
   :mod:`camviz.pipeline.manifest`): ``input``, ``frame``, ``status`` (``ok`` or ``error``),
   ``reason``, ``size``, ``prediction`` (top-1), ``top5``, ``explained`` (the explained
   classes with ``id``, ``name``, ``score``, ``probability`` and their ``files``; a detected
-  object also its ``box``, ``[x0, y0, x1, y1]`` in the photo's pixels), ``files``,
+  object also its ``box``, ``[x0, y0, x1, y1]`` in the photo's pixels; ``"empty": true``
+  when the map is all zero, no positive evidence at the layer), ``files``,
   ``layers`` and ``seconds`` (decoding plus the image's share of its batch). An input with
   nothing to explain (no object above ``min_score``, no pixel of the class) is ``ok`` with
   no ``explained`` entry, and its ``reason`` says so;
 * ``manifest.json``: the run's settings and, at the end, the counts (``ok``, ``error``,
-  and ``already_done``: inputs a previous run had finished), the rows of the inputs that
-  failed (``failures``), the videos, and ``other_files``: files in the folder written for
-  inputs that are not among this run's (a rerun with fewer inputs). The rows of every input
+  ``already_done``: inputs a previous run had finished, and ``empty_maps``), the rows of
+  the inputs that failed (``failures``), the videos, and ``other_files``: files in the
+  folder written for inputs that are not among this run's (a rerun with fewer inputs). The
+  rows of every input
   stay in ``manifest.jsonl`` only, so this file stays small however many inputs there are.
   While a run is under way it holds ``"complete": false``. Both manifests are strict JSON
   (no ``NaN``).
@@ -409,7 +411,10 @@ class _Job:
         ):
             stem = item.name if ranks == 1 else f"{item.name}_rank{rank + 1}"
             files = self._write_files(stem, item, result, prediction, heatmap)
-            explained.append({**_prediction(prediction), "files": files})
+            entry = {**_prediction(prediction), "files": files}
+            if not bool(heatmap.any()):  # a picture of it shows nothing: say so
+                entry["empty"] = True
+            explained.append(entry)
         panel = self._write_detection_panel(item, result) if self._detections(result) else None
         self.log.append(_row(item, result, explained, [] if panel is None else [panel]))
 
@@ -700,6 +705,9 @@ def _finish(
                 "ok": len(explained),
                 "error": len(rows) - len(explained),
                 "already_done": already_done,
+                "empty_maps": sum(
+                    bool(entry.get("empty")) for row in explained for entry in row["explained"]
+                ),
             },
             "settings": settings,
             "rows": manifest.ROWS,
