@@ -27,6 +27,7 @@ from torch import nn
 from camviz.cams.layout import layout_of, patch_size
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import capture
+from camviz.core.inputs import model_device
 from camviz.core.layerkinds import module_kind
 from camviz.core.layers import default_target_layer, resolve_layers
 from camviz.core.maps import normalize
@@ -127,9 +128,9 @@ def factorize(
     """
     if inputs.dim() == 3:
         inputs = inputs.unsqueeze(0)
-    parameter = next(model.parameters(), None)
-    if parameter is not None:
-        inputs = inputs.to(parameter.device)
+    device = model_device(model)
+    if device is not None:
+        inputs = inputs.to(device)
     with eval_mode(model):
         if layer is None:
             layer = default_target_layer(model, inputs)

@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, Dataset
 from camviz.cams import get as get_method
 from camviz.cams.engine import explain
 from camviz.core.errors import CamvizError, NonFiniteError, ZeroMapWarning, first_line
+from camviz.core.inputs import model_device
 from camviz.core.layers import Layer
 from camviz.core.modelstate import eval_mode
 from camviz.core.precision import at_least_fp32, check_precision, forward_precision
@@ -488,8 +489,7 @@ class _BatchExplainer:
         self.options = options
         self.task = task
         self.task_options = task_options or TaskOptions()
-        parameter = next(network.parameters(), None)
-        self.device = torch.device("cpu") if parameter is None else parameter.device
+        self.device = model_device(network) or torch.device("cpu")
 
     def __call__(self, samples: list[_Sample], items: list[Item] | None) -> list[ImageResult]:
         if not samples:
