@@ -9,7 +9,8 @@ pictures without matplotlib are in :mod:`camviz.io.pictures`.
 
 Maps of every shape (signals, images, volumes, clips; ``explain(..., relu=False)``) are
 drawn signed or not, with a colour bar: a signed map gets a diverging colour map centred on
-zero (``vmin = -vmax``), a map in ``[0, 1]`` the given colour map on ``[0, 1]``.
+zero (``vmin = -vmax``), a map in ``[0, 1]`` the given colour map on ``[0, 1]``. Their
+checks of maps of any rank (:func:`map_values`) also serve :func:`camviz.render.clip_video`.
 """
 
 from __future__ import annotations
@@ -365,6 +366,7 @@ def volume_montage(
 
 
 def as_numpy(values: object, what: str) -> np.ndarray:
+    """A tensor or numpy array as float32 numpy on the CPU; ``what`` names it in the error."""
     if isinstance(values, torch.Tensor):
         return values.detach().to("cpu", torch.float32).numpy()
     if isinstance(values, np.ndarray):

@@ -381,6 +381,7 @@ def _as_channels(activations: torch.Tensor) -> torch.Tensor:
 
 
 def as_rgb(image: Image.Image) -> Image.Image:
+    """A PIL image as RGB (itself when it is), anything else refused in one line."""
     if not isinstance(image, Image.Image):
         raise CamvizError(
             f"the image must be a PIL image, not {type(image).__name__}; use the originals "
@@ -437,11 +438,15 @@ def _colour(values: torch.Tensor, colormap: str | Colormap) -> np.ndarray:
 
 
 def grid_columns(count: int, ncols: int | None) -> int:
+    """Columns of a grid of ``count`` tiles: ``ncols``, or about square for ``None``."""
     if ncols is None:
         return max(1, math.ceil(math.sqrt(count)))
     if ncols < 1:
         raise CamvizError(f"ncols must be at least 1, got {ncols}")
     return ncols
+
+
+# Detections: boxes and labels drawn with Pillow ---------------------------------------------
 
 
 def draw_box(image: Image.Image, box: Sequence[float], label: str = "") -> Image.Image:
