@@ -17,6 +17,7 @@ ENTRY_POINTS: dict[str, Callable[[nn.Module, torch.Tensor], object]] = {
     "explain": lambda model, x: camviz.explain(model, x, layer="0"),
     "deletion": lambda model, x: camviz.metrics.deletion(model, x, torch.rand(len(x), 8, 8)),
     "sanity": lambda model, x: camviz.sanity.cascading_randomization(model, x, layer="0"),
+    "factorize": lambda model, x: camviz.factorize(model, x, layer="0", k=2),
 }
 
 
@@ -30,10 +31,10 @@ def test_every_entry_point_refuses_a_non_float_batch_in_the_same_words(entry: st
     )
 
 
-@pytest.mark.parametrize("entry", ["deletion", "sanity"])
-def test_functions_that_change_pixels_refuse_signals_in_one_line(entry: str) -> None:
+@pytest.mark.parametrize("entry", ["deletion", "sanity", "factorize"])
+def test_functions_of_images_refuse_signals_in_one_line(entry: str) -> None:
     signal_model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.AdaptiveAvgPool1d(1), nn.Flatten())
-    with pytest.raises(CamvizError, match=r"this measures image batches \(N, C, H, W\), got "):
+    with pytest.raises(CamvizError, match=r"this takes image batches \(N, C, H, W\), got "):
         ENTRY_POINTS[entry](signal_model.eval(), torch.randn(2, 3, 8))
 
 

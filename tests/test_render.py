@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
+import re
 from pathlib import Path
 
 import matplotlib
@@ -120,6 +122,19 @@ def test_heatmap_image_takes_a_pillow_size() -> None:
 def test_bad_heatmaps_are_refused(image: Image.Image, heatmap, message: str) -> None:
     with pytest.raises(CamvizError, match=message):
         overlay(image, heatmap)
+
+
+def test_a_map_out_of_range_is_refused_naming_a_function_that_normalises_it(image) -> None:
+    heatmap = torch.linspace(-1.0, 3.0, 48).view(6, 8)
+    with pytest.raises(CamvizError, match=r"got -1 to 3; normalise the map first") as error:
+        overlay(image, heatmap)
+    named = re.search(r"camviz(?:\.\w+)+", str(error.value))
+    assert named is not None
+    module, name = named.group(0).rsplit(".", 1)
+    normalised = getattr(importlib.import_module(module), name)(heatmap[None])[0]
+    torch.testing.assert_close(normalised, (heatmap + 1) / 4)
+    expected = expected_blend(np.asarray(image, dtype=np.float64), normalised.numpy(), 0.5, "jet")
+    np.testing.assert_allclose(np.asarray(overlay(image, normalised)), expected, atol=1)
 
 
 def test_bad_alpha_and_colour_map_are_refused(image: Image.Image) -> None:
