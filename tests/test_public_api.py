@@ -3,70 +3,45 @@ checked-in list ``tests/public_api.txt``, so that adding or dropping a public na
 decision; every listed name resolves; and a name that left a public module still imports,
 with a ``DeprecationWarning`` that names its new place, until camviz 0.3.
 
-Public modules are ``camviz``, ``camviz.cams``, the short paths of
-``camviz.PUBLIC_MODULES`` and every module path that the README or a notebook names.
-Run this file (``PYTHONPATH=. python tests/test_public_api.py``) to rewrite the list.
+Public modules are ``camviz``, ``camviz.cams``, the modules of ``camviz.PUBLIC_MODULES`` and
+every module path that the README or a notebook names (``tests/test_structure.py`` finds
+them, and checks that each has ``__all__``); the list names each module by the path users
+import. Run this file (``PYTHONPATH=. python tests/test_public_api.py``) to rewrite the list.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import re
 import warnings
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from test_structure import public_modules as public_module_names
 
 import camviz
 from camviz._deprecation import MOVED_NAMES
 
-ROOT = Path(__file__).resolve().parent.parent
 LISTING = Path(__file__).with_name("public_api.txt")
 UPDATE = "PYTHONPATH=. python tests/test_public_api.py"
 
 
-def is_module(path: str) -> bool:
-    try:
-        return importlib.util.find_spec(path) is not None
-    except ModuleNotFoundError:  # a name inside a module: "camviz.render.overlay"
-        return False
-
-
-def documented_module_paths() -> set[str]:
-    """The module paths README.md and the notebooks name: ``camviz.core.layers.layer_shapes``
-    names ``camviz.core.layers``. Old paths of ``camviz.MOVED_MODULES`` are not public."""
-    texts = [(ROOT / "README.md").read_text(encoding="utf-8")]
-    texts += [path.read_text(encoding="utf-8") for path in (ROOT / "notebooks").glob("*.ipynb")]
-    found = set()
-    for dotted in {name for text in texts for name in re.findall(r"\bcamviz(?:\.\w+)+", text)}:
-        parts = dotted.split(".")
-        prefixes = (".".join(parts[:end]) for end in range(len(parts), 0, -1))
-        module = next(prefix for prefix in prefixes if is_module(prefix))
-        if module not in camviz.MOVED_MODULES:
-            found.add(module)
-    return found
-
-
 def public_modules() -> dict[str, ModuleType]:
-    """``{the path users import: the module}`` of every public module."""
-    paths = {"camviz", "camviz.cams", *camviz.PUBLIC_MODULES, *documented_module_paths()}
-    return {path: importlib.import_module(path) for path in sorted(paths)}
+    """``{the path users import: the module}`` of every public module (the modules of
+    ``test_structure.public_modules``, each under its short path where it has one)."""
+    short = {module: alias for alias, module in camviz.PUBLIC_MODULES.items()}
+    return {
+        short.get(name, name): importlib.import_module(name)
+        for name in sorted(public_module_names())
+    }
 
 
 def public_names() -> list[str]:
     """``module:name`` for every name of every public module's ``__all__``, sorted."""
     return sorted(
-        f"{path}:{name}"
-        for path, module in public_modules().items()
-        for name in getattr(module, "__all__", ())
+        f"{path}:{name}" for path, module in public_modules().items() for name in module.__all__
     )
-
-
-def test_every_public_module_chooses_its_names_with_all():
-    without = [path for path, module in public_modules().items() if "__all__" not in vars(module)]
-    assert without == [], f"public modules without __all__: {without}; give each one"
 
 
 def test_the_public_names_are_the_checked_in_list():

@@ -360,7 +360,7 @@ def as_map(heatmap: Heatmap, device: torch.device | str = "cpu") -> torch.Tensor
     if low < -MAP_TOLERANCE or high > 1 + MAP_TOLERANCE:
         raise CamvizError(
             f"heatmap values must lie in [0, 1], got {low:.3g} to {high:.3g}; normalise the "
-            "map to [0, 1] first, or draw a raw or signed map with camviz.render.signed_figure"
+            "map first (camviz.core.maps.normalize scales each map of a batch to [0, 1])"
         )
     return values.clamp(0, 1)
 
