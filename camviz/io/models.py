@@ -68,6 +68,19 @@ from camviz.io.checkpoints import read_state_dict as read_state_dict
 if TYPE_CHECKING:
     from camviz.io.images import Preprocess
 
+__all__ = [
+    "DEFAULT_CLIP_LEN",
+    "OFFLINE_MODEL",
+    "TIMM_PREFIX",
+    "LoadedModel",
+    "Task",
+    "available",
+    "load",
+    "read_state_dict",
+    "task_of",
+    "with_input_size",
+]
+
 
 @dataclass
 class LoadedModel:
