@@ -34,7 +34,6 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +41,12 @@ import torch
 from PIL import Image
 
 from camviz.cams.engine import explain
-from camviz.cams.perturbation import budget_option
 from camviz.cams.registry import get
+from camviz.cams.settings import ExplainSettings, settings_or_keywords
 from camviz.core.errors import CamvizError
-from camviz.core.inputs import as_batch, model_device
+from camviz.core.inputs import as_batch, run_model
 from camviz.core.layers import Layer
-from camviz.core.precision import Precision, check_precision
+from camviz.core.precision import Precision
 from camviz.core.targets import as_logits, class_name
 from camviz.evaluation.metrics import confidence, deletion, insertion, win_rate
 from camviz.io.atomic import atomic_write
@@ -158,6 +157,7 @@ def compare(
     channels_last: bool = False,
     bar: bool | None = False,
     memory_budget: int | str | None = None,
+    settings: ExplainSettings | None = None,
 ) -> Comparison:
     """Explain every image with every method and measure each map.
 
@@ -176,6 +176,9 @@ def compare(
             (when stderr is a terminal).
         memory_budget: The ``memory_budget`` of the perturbation methods among ``methods``
             (bytes, or ``"512MiB"``); ``None``: their default.
+        settings: ``layer``, ``precision``, ``channels_last`` and ``memory_budget`` in one
+            object, as ``camviz explain`` takes them too (then not as keywords; its
+            ``method`` is unused: ``methods`` are compared).
 
     Returns:
         The :class:`Comparison`; write it with :func:`write_report`.
@@ -184,76 +187,51 @@ def compare(
         raise CamvizError("no image given; pass one or more image files")
     if not methods:
         raise CamvizError("no method given; pass one or more CAM method names")
+    keywords = ExplainSettings(
+        layer=layer, precision=precision, channels_last=channels_last, memory_budget=memory_budget
+    )
+    chosen = settings_or_keywords(settings, keywords)
+    options = chosen.method_options(loaded.model, methods)  # before any model work
     names = [get(method).name for method in methods]
-    method_options = {name: budget_option(get(name), memory_budget) for name in names}
     images = [load_image(path) for path in paths]
     labels = image_labels(paths)
-    layer = layer if layer is not None else loaded.default_layer
+    layer = chosen.layer if chosen.layer is not None else loaded.default_layer
     model = loaded.model
-    used = any(get(name).reduced_precision for name in names)
-    device = model_device(model) or torch.device("cpu")
-    check_precision(precision, device, used=used)  # before any model work
-    explain_as_asked = partial(explain, precision=precision, channels_last=channels_last)
-    cells, thumbnails = [], []
+    cells: list[Cell] = []
+    thumbnails: list[Image.Image] = []
     measuring = _metrics_bar(len(paths), bar)
     for image_index, (label, image) in enumerate(zip(labels, images, strict=True)):
         inputs = as_batch(loaded.preprocess(image), model)
-        with torch.inference_mode():
-            probabilities = as_logits(model(inputs)).softmax(dim=-1)[0]
-        if not bool(torch.isfinite(probabilities).all()):
-            raise CamvizError(
-                f"the model's output for {label} is not finite (NaN or Inf); check the "
-                "weights (`camviz inspect` names the first layer that makes a NaN)"
-            )
-        class_id = int(probabilities.argmax())
+        class_id, probability = _top_class(model, inputs, label)
         if image_index == 0:
             for name in names:  # warm-up, untimed (module docstring)
-                explain_as_asked(model, inputs, name, layer, class_id, **method_options[name])
-        heatmaps, seconds = [], []
+                explain(model, inputs, name, layer, class_id, **options[name])
+        maps, seconds = [], []
         for name in names:
             started = time.perf_counter()
-            explained = explain_as_asked(
-                model, inputs, name, layer, class_id, **method_options[name]
-            )
-            heatmaps.append(explained.heatmaps[0])
+            maps.append(explain(model, inputs, name, layer, class_id, **options[name]).heatmaps[0])
             if inputs.device.type == "cuda":
                 torch.cuda.synchronize(inputs.device)
             seconds.append(time.perf_counter() - started)
             if progress is not None:
                 with measuring.external_write_mode(file=sys.stderr):  # the line above the bar
                     progress(f"{label}: {name} ({seconds[-1]:.2f} s)")
-        maps = torch.stack(heatmaps)
-        batch = inputs.expand(len(names), -1, -1, -1)
-        measuring.set_description(f"{label}: deletion")
-        deleted = deletion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
-        measuring.update(1)
-        measuring.set_description(f"{label}: insertion")
-        inserted = insertion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
-        measuring.update(1)
-        measuring.set_description(f"{label}: confidence")
-        confidences = confidence(model, batch, maps, class_id, batch_size=batch_size)
-        measuring.update(1)
-        small = _thumbnail(image, thumbnail)
-        thumbnails.append(small)
-        for index, name in enumerate(names):
-            cells.append(
-                Cell(
-                    image=label,
-                    method=name,
-                    class_id=class_id,
-                    class_name=class_name(loaded.categories, class_id),
-                    probability=float(probabilities[class_id]),
-                    seconds=seconds[index],
-                    fractions=deleted.fractions.tolist(),
-                    deletion=deleted.scores[index].tolist(),
-                    insertion=inserted.scores[index].tolist(),
-                    deletion_auc=float(deleted.auc[index]),
-                    insertion_auc=float(inserted.auc[index]),
-                    drop=100 * float(confidences.drop[index]),
-                    increase=bool(confidences.explained[index] > confidences.original[index]),
-                    overlay=overlay(small, maps[index]),
-                )
+        stacked = torch.stack(maps)
+        measured = _measured(model, inputs, stacked, class_id, steps, batch_size, measuring, label)
+        thumbnails.append(_thumbnail(image, thumbnail))
+        cells += [
+            Cell(
+                image=label,
+                method=name,
+                class_id=class_id,
+                class_name=class_name(loaded.categories, class_id),
+                probability=probability,
+                seconds=seconds[index],
+                **measured.of(index),
+                overlay=overlay(thumbnails[-1], stacked[index]),
             )
+            for index, name in enumerate(names)
+        ]
     measuring.close()
     return Comparison(
         model=loaded.name,
@@ -262,6 +240,65 @@ def compare(
         thumbnails=thumbnails,
         cells=cells,
     )
+
+
+def _top_class(model: torch.nn.Module, inputs: torch.Tensor, label: str) -> tuple[int, float]:
+    """The model's top-1 class for one image, and its probability."""
+    with torch.inference_mode():
+        probabilities = as_logits(run_model(model, inputs)).softmax(dim=-1)[0]
+    if not bool(torch.isfinite(probabilities).all()):
+        raise CamvizError(
+            f"the model's output for {label} is not finite (NaN or Inf); check the "
+            "weights (`camviz inspect` names the first layer that makes a NaN)"
+        )
+    class_id = int(probabilities.argmax())
+    return class_id, float(probabilities[class_id])
+
+
+@dataclass
+class _Measured:
+    """The metrics of the maps of one image, one row per method."""
+
+    deleted: Any
+    inserted: Any
+    confidences: Any
+
+    def of(self, index: int) -> dict[str, Any]:
+        """The :class:`Cell` fields of the ``index``-th method's map."""
+        confidences = self.confidences
+        return {
+            "fractions": self.deleted.fractions.tolist(),
+            "deletion": self.deleted.scores[index].tolist(),
+            "insertion": self.inserted.scores[index].tolist(),
+            "deletion_auc": float(self.deleted.auc[index]),
+            "insertion_auc": float(self.inserted.auc[index]),
+            "drop": 100 * float(confidences.drop[index]),
+            "increase": bool(confidences.explained[index] > confidences.original[index]),
+        }
+
+
+def _measured(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    maps: torch.Tensor,
+    class_id: int,
+    steps: int,
+    batch_size: int,
+    measuring: Any,
+    label: str,
+) -> _Measured:
+    """Deletion, insertion and confidence of each of ``maps`` on one image."""
+    batch = inputs.expand(len(maps), -1, -1, -1)
+    measuring.set_description(f"{label}: deletion")
+    deleted = deletion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
+    measuring.update(1)
+    measuring.set_description(f"{label}: insertion")
+    inserted = insertion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
+    measuring.update(1)
+    measuring.set_description(f"{label}: confidence")
+    confidences = confidence(model, batch, maps, class_id, batch_size=batch_size)
+    measuring.update(1)
+    return _Measured(deleted, inserted, confidences)
 
 
 def image_labels(paths: Sequence[str | Path]) -> list[str]:
