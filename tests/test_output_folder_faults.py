@@ -171,7 +171,9 @@ def test_detector_outputs_never_collide_and_a_rerun_finds_them(detector, tmp_pat
 # --- 4. The output folder removed during the run -----------------------------------------------
 
 
-def test_an_output_folder_removed_mid_run_fails_in_one_line(cli, make_photos, tmp_path):
+def test_an_output_folder_removed_mid_run_fails_in_one_line(
+    cli, make_photos, tmp_path, monkeypatch
+):
     photos = make_photos(tmp_path / "photos", {f"{n}.png": (32, 24) for n in range(4)})
     out = tmp_path / "out"
     real_save = job._save_png
@@ -183,11 +185,8 @@ def test_an_output_folder_removed_mid_run_fails_in_one_line(cli, make_photos, tm
         if len(saved) == 1:
             shutil.rmtree(out)
 
-    job._save_png = save_then_remove_the_folder
-    try:
-        status, printed, error = cli(*photos, out=out, extra=("--batch-size", "1"))
-    finally:
-        job._save_png = real_save
+    monkeypatch.setattr(job, "_save_png", save_then_remove_the_folder)
+    status, printed, error = cli(*photos, out=out, extra=("--batch-size", "1"))
     assert status == 1 and printed == ""
     one_line_error(error, "was removed or moved during the run", "run the same command again")
     assert not (out / "manifest.json").exists()  # nothing says "complete"
