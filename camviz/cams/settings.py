@@ -26,6 +26,8 @@ from camviz.core.inputs import model_device
 from camviz.core.layers import Layer
 from camviz.core.precision import Precision, check_precision
 
+__all__ = ["ExplainSettings", "settings_or_keywords"]
+
 
 @dataclass(frozen=True)
 class ExplainSettings:

@@ -26,6 +26,8 @@ from camviz.core.targets import Target
 from camviz.io.models import LoadedModel
 from camviz.pipeline.tasks import TaskOptions
 
+__all__ = ["HeatmapFormat", "JobSettings", "Outputs", "RenderOptions"]
+
 HeatmapFormat = Literal["npz", "png16"]
 
 
