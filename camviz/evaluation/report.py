@@ -34,13 +34,15 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
+from torch import nn
 
-from camviz.cams.engine import explain
+from camviz.cams.engine import Explanation, explain
 from camviz.cams.registry import get
 from camviz.cams.settings import ExplainSettings, settings_or_keywords
 from camviz.core.errors import CamvizError
@@ -48,7 +50,14 @@ from camviz.core.inputs import as_batch, run_model
 from camviz.core.layers import Layer
 from camviz.core.precision import Precision
 from camviz.core.targets import as_logits, class_name
-from camviz.evaluation.metrics import confidence, deletion, insertion, win_rate
+from camviz.evaluation.metrics import (
+    Confidence,
+    Curve,
+    confidence,
+    deletion,
+    insertion,
+    win_rate,
+)
 from camviz.io.atomic import atomic_write
 from camviz.io.images import load_image
 from camviz.io.models import LoadedModel
@@ -191,59 +200,65 @@ def compare(
         layer=layer, precision=precision, channels_last=channels_last, memory_budget=memory_budget
     )
     chosen = settings_or_keywords(settings, keywords)
-    options = chosen.method_options(loaded.model, methods)  # before any model work
+    method_options = chosen.method_options(loaded.model, methods)  # before any model work
     names = [get(method).name for method in methods]
     images = [load_image(path) for path in paths]
     labels = image_labels(paths)
     layer = chosen.layer if chosen.layer is not None else loaded.default_layer
     model = loaded.model
-    cells: list[Cell] = []
-    thumbnails: list[Image.Image] = []
+    cells, thumbnails = [], []
     measuring = _metrics_bar(len(paths), bar)
     for image_index, (label, image) in enumerate(zip(labels, images, strict=True)):
         inputs = as_batch(loaded.preprocess(image), model)
-        class_id, probability = _top_class(model, inputs, label)
+        probabilities, class_id = _top_class(model, inputs, label)
+        explained = [
+            partial(explain, model, inputs, name, layer, class_id, **method_options[name])
+            for name in names
+        ]
         if image_index == 0:
-            for name in names:  # warm-up, untimed (module docstring)
-                explain(model, inputs, name, layer, class_id, **options[name])
-        maps, seconds = [], []
-        for name in names:
-            started = time.perf_counter()
-            maps.append(explain(model, inputs, name, layer, class_id, **options[name]).heatmaps[0])
-            if inputs.device.type == "cuda":
-                torch.cuda.synchronize(inputs.device)
-            seconds.append(time.perf_counter() - started)
+            for explain_one in explained:  # warm-up, untimed (module docstring)
+                explain_one()
+        timed = []  # (heatmap, seconds) per method
+        for name, explain_one in zip(names, explained, strict=True):
+            timed.append(_timed_heatmap(explain_one, inputs.device))
             if progress is not None:
                 with measuring.external_write_mode(file=sys.stderr):  # the line above the bar
-                    progress(f"{label}: {name} ({seconds[-1]:.2f} s)")
-        stacked = torch.stack(maps)
-        measured = _measured(model, inputs, stacked, class_id, steps, batch_size, measuring, label)
-        thumbnails.append(_thumbnail(image, thumbnail))
-        cells += [
-            Cell(
-                image=label,
-                method=name,
-                class_id=class_id,
-                class_name=class_name(loaded.categories, class_id),
-                probability=probability,
-                seconds=seconds[index],
-                **measured.of(index),
-                overlay=overlay(thumbnails[-1], stacked[index]),
+                    progress(f"{label}: {name} ({timed[-1][1]:.2f} s)")
+        maps = torch.stack([heatmap for heatmap, _ in timed])
+        deleted, inserted, confidences = _measured(
+            model, inputs, maps, class_id, steps, batch_size, measuring, label
+        )
+        small = _thumbnail(image, thumbnail)
+        thumbnails.append(small)
+        for index, name in enumerate(names):
+            cells.append(
+                Cell(
+                    image=label,
+                    method=name,
+                    class_id=class_id,
+                    class_name=class_name(loaded.categories, class_id),
+                    probability=float(probabilities[class_id]),
+                    seconds=timed[index][1],
+                    fractions=deleted.fractions.tolist(),
+                    deletion=deleted.scores[index].tolist(),
+                    insertion=inserted.scores[index].tolist(),
+                    deletion_auc=float(deleted.auc[index]),
+                    insertion_auc=float(inserted.auc[index]),
+                    drop=100 * float(confidences.drop[index]),
+                    increase=bool(confidences.explained[index] > confidences.original[index]),
+                    overlay=overlay(small, maps[index]),
+                )
             )
-            for index, name in enumerate(names)
-        ]
     measuring.close()
-    return Comparison(
-        model=loaded.name,
-        methods=names,
-        images=labels,
-        thumbnails=thumbnails,
-        cells=cells,
-    )
+    return Comparison(loaded.name, names, labels, thumbnails, cells)
 
 
-def _top_class(model: torch.nn.Module, inputs: torch.Tensor, label: str) -> tuple[int, float]:
-    """The model's top-1 class for one image, and its probability."""
+def _top_class(model: nn.Module, inputs: torch.Tensor, label: str) -> tuple[torch.Tensor, int]:
+    """The model's class probabilities for one image, and its top class.
+
+    Raises:
+        CamvizError: The output is not finite.
+    """
     with torch.inference_mode():
         probabilities = as_logits(run_model(model, inputs)).softmax(dim=-1)[0]
     if not bool(torch.isfinite(probabilities).all()):
@@ -251,34 +266,22 @@ def _top_class(model: torch.nn.Module, inputs: torch.Tensor, label: str) -> tupl
             f"the model's output for {label} is not finite (NaN or Inf); check the "
             "weights (`camviz inspect` names the first layer that makes a NaN)"
         )
-    class_id = int(probabilities.argmax())
-    return class_id, float(probabilities[class_id])
+    return probabilities, int(probabilities.argmax())
 
 
-@dataclass
-class _Measured:
-    """The metrics of the maps of one image, one row per method."""
-
-    deleted: Any
-    inserted: Any
-    confidences: Any
-
-    def of(self, index: int) -> dict[str, Any]:
-        """The :class:`Cell` fields of the ``index``-th method's map."""
-        confidences = self.confidences
-        return {
-            "fractions": self.deleted.fractions.tolist(),
-            "deletion": self.deleted.scores[index].tolist(),
-            "insertion": self.inserted.scores[index].tolist(),
-            "deletion_auc": float(self.deleted.auc[index]),
-            "insertion_auc": float(self.inserted.auc[index]),
-            "drop": 100 * float(confidences.drop[index]),
-            "increase": bool(confidences.explained[index] > confidences.original[index]),
-        }
+def _timed_heatmap(
+    explain_one: Callable[[], Explanation], device: torch.device
+) -> tuple[torch.Tensor, float]:
+    """The heatmap of one explanation and its wall time (the GPU's work included)."""
+    started = time.perf_counter()
+    heatmap = explain_one().heatmaps[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return heatmap, time.perf_counter() - started
 
 
 def _measured(
-    model: torch.nn.Module,
+    model: nn.Module,
     inputs: torch.Tensor,
     maps: torch.Tensor,
     class_id: int,
@@ -286,8 +289,9 @@ def _measured(
     batch_size: int,
     measuring: Any,
     label: str,
-) -> _Measured:
-    """Deletion, insertion and confidence of each of ``maps`` on one image."""
+) -> tuple[Curve, Curve, Confidence]:
+    """The deletion and insertion curves and the confidence of each method's map of one
+    image, each step shown on the ``measuring`` bar."""
     batch = inputs.expand(len(maps), -1, -1, -1)
     measuring.set_description(f"{label}: deletion")
     deleted = deletion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
@@ -298,7 +302,7 @@ def _measured(
     measuring.set_description(f"{label}: confidence")
     confidences = confidence(model, batch, maps, class_id, batch_size=batch_size)
     measuring.update(1)
-    return _Measured(deleted, inserted, confidences)
+    return deleted, inserted, confidences
 
 
 def image_labels(paths: Sequence[str | Path]) -> list[str]:

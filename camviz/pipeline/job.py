@@ -99,9 +99,9 @@ from camviz.core.layers import Layer
 from camviz.core.targets import Target
 from camviz.io.images import PathLike
 from camviz.io.models import LoadedModel
-from camviz.io.render import (
+from camviz.io.output import clip_video
+from camviz.io.pictures import (
     SALIENCY_PERCENTILE,
-    clip_video,
     detection_panel,
     draw_box,
     overlay,
