@@ -105,7 +105,7 @@ def _add_outputs(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_batches(parser: argparse.ArgumentParser) -> None:
-    """Batches, decoding workers, frames, the device and the input size."""
+    """Batches, decoding workers, frames and the device."""
     parser.add_argument(
         "--batch-size", type=_positive, default=16, metavar="N", help="images per batch"
     )
@@ -127,14 +127,6 @@ def _add_batches(parser: argparse.ArgumentParser) -> None:
         "--device",
         default=None,
         help="where the model runs (cpu, cuda, cuda:1); by default this process's GPU if any",
-    )
-    parser.add_argument(
-        "--input-size",
-        type=_positive,
-        default=None,
-        metavar="PIXELS",
-        help="scale each image's shorter side to PIXELS instead of the model's size (for a "
-        "detector: its own resize)",
     )
 
 

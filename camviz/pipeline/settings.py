@@ -100,12 +100,18 @@ class JobSettings(ExplainSettings):
         folder would record a layer the model does not have.
 
         Raises:
-            CamvizError: An unknown method or layer, a bad memory budget or precision, or an
-                output the model's task cannot have.
+            CamvizError: An unknown method or layer, a bad memory budget or precision, an
+                output the model's task cannot have, or a class target for an embedding.
         """
         (options,) = self.method_options(loaded.model, [self.method]).values()
         if self.layer is not None:
             spot_keys(loaded.model, self.layer, "output")
+        if loaded.task == "embedding" and (self.target is None or isinstance(self.target, str)):
+            raise CamvizError(
+                f"{loaded.name} answers an image embedding, not classes; explain why each input "
+                "looks like another image: --similar-to IMAGE (target=camviz.Similarity(...) in "
+                "Python)"
+            )
         if loaded.task == "video" and self.outputs.heatmap == "png16":
             raise CamvizError(
                 f"{loaded.name} is a video model: its maps have a time axis, which a 16-bit "

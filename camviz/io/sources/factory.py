@@ -59,14 +59,16 @@ class FactorySource(ModelSource):
     """``package.module:factory`` or ``path/to/file.py:factory`` (see the module docstring)."""
 
     def __init__(self, name: str, options: SourceOptions) -> None:
-        self.name = name
-        self.options = options
         self.where, _, self.factory_name = name.rpartition(":")
+        # The arguments are part of the name: a folder made with others is another model's.
+        arguments = ", ".join(f"{key}={value!r}" for key, value in options.model_args.items())
+        self.name = f"{name}({arguments})" if arguments else name
+        self.options = options
         self.adapted: ultralytics.Adapted | None = None
 
     def build(self) -> nn.Module:
         factory = self._factory()
-        _check_arguments(factory, self.options.model_args, self.name)
+        _check_arguments(factory, self.options.model_args, f"{self.where}:{self.factory_name}")
         with _running_user_code(self.name, self.where):
             model = factory(**self.options.model_args)
         self.adapted = ultralytics.adapted(model)
