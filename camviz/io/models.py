@@ -63,7 +63,6 @@ from torch import nn
 from camviz.core.errors import CamvizError, first_line
 from camviz.core.layers import default_target_layer
 from camviz.core.modelstate import DetectorInputSize, ModelChange, changed
-from camviz.core.targets import as_logits
 from camviz.io.architectures import DEFAULT_CLIP_LEN as DEFAULT_CLIP_LEN
 from camviz.io.architectures import OFFLINE_MODEL as OFFLINE_MODEL
 from camviz.io.architectures import TIMM_PREFIX as TIMM_PREFIX
@@ -84,7 +83,6 @@ __all__ = [
     "Task",
     "available",
     "load",
-    "read_classes",
     "read_state_dict",
     "task_of",
     "with_input_size",
@@ -195,7 +193,7 @@ def load(
         mean=_per_channel(mean),
         std=_per_channel(std),
         channels=channels,
-        classes=read_classes(classes) if classes is not None else None,
+        classes=_read_classes(classes) if classes is not None else None,
         task=_checked_task(task),
     )
     source = source_for(name, options)
@@ -216,7 +214,7 @@ def load(
     return loaded if input_size is None else with_input_size(loaded, input_size)
 
 
-def read_classes(classes: str | Path | Sequence[str]) -> list[str]:
+def _read_classes(classes: str | Path | Sequence[str]) -> list[str]:
     """Class names from a list, or from a text file with one name a line (blank lines and
     surrounding spaces dropped).
 
@@ -323,6 +321,8 @@ def _categories(
 def _output_classes(model: nn.Module, preprocess: Preprocess) -> int | None:
     """How many scores the model gives per image (axis 1 of its output), from one pass on a
     blank image; ``None`` when that pass fails or answers no tensor."""
+    from camviz.core.targets import as_logits
+
     try:
         with torch.no_grad():
             output = as_logits(model(_blank(preprocess, None)))

@@ -87,14 +87,17 @@ class HuggingFaceSource(ModelSource):
         try:
             with _quiet(transformers):
                 processor = transformers.AutoImageProcessor.from_pretrained(self.reference)
-        except (OSError, ValueError) as error:
-            if self.options.input_size is not None:  # the options say it all
-                return Preprocess(mean=(0.0,), std=(1.0,), resize="none")
-            raise CamvizError(
-                f"{self.reference} has no image processor ({first_line(error)[:80]}); save it "
-                "beside the model (processor.save_pretrained(DIR)), or give --input-size, "
-                "--mean and --std"
-            ) from None
+        except (OSError, ValueError):
+            if self.options.input_size is None:
+                raise CamvizError(
+                    f"{self.reference} has no image processor (preprocessor_config.json); save "
+                    "it beside the model (processor.save_pretrained(DIR)), or give "
+                    "--input-size, --mean and --std"
+                ) from None
+            # The options give the size; a model of one input size (a ViT's position
+            # embeddings) takes the image squashed to it.
+            fixed = isinstance(getattr(self.config, "image_size", None), int)
+            return Preprocess(mean=(0.0,), std=(1.0,), resize="square" if fixed else "none")
         return _processor_preprocess(processor)
 
     def class_names(self, model: nn.Module) -> list[str] | None:
@@ -114,13 +117,14 @@ class HuggingFaceSource(ModelSource):
         except (OSError, ValueError) as error:
             folder = Path(self.reference)
             if folder.is_dir():
+                missing = "" if (folder / "config.json").is_file() else "no config.json; "
                 raise CamvizError(
-                    f"{folder} is not a Hugging Face model folder ({first_line(error)[:100]}); "
+                    f"{folder} is not a Hugging Face model folder ({missing}{first_line(error)}); "
                     "make one with model.save_pretrained(DIR) (config.json and the weights)"
                 ) from None
             raise CamvizError(
                 f"could not read {what} {self.reference!r} from the Hugging Face hub "
-                f"({first_line(error)[:100]}); where there is internet, save it with "
+                f"({first_line(error)}); where there is internet, save it with "
                 "save_pretrained(DIR) and pass the local folder: --model hf:DIR"
             ) from None
 

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from camviz.core.detection import DenseDetections
 from camviz.core.errors import CamvizError, first_line
 from camviz.core.placement import CentredLetterbox
 from camviz.io.checkpoints import load_weights
@@ -264,6 +263,8 @@ class YoloDetector(nn.Module):
         self.score_thresh = _CONFIDENCE
 
     def forward(self, images: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        from camviz.core.detection import DenseDetections
+
         boxed = self.letterbox(images)
         predictions = self._predictions(boxed)[:, : 4 + self.num_classes]
         decode = DenseDetections(
