@@ -133,9 +133,9 @@ def explain(
         method: A registry name (:func:`camviz.cams.names`) or a method instance.
         layer: Target layer(s): names, wildcard patterns or submodules, or a list of them;
             ``"name[0]"`` / ``"name[key]"`` takes one element of a tuple, list or dict
-            output, and a layer that outputs feature maps so (an FPN's levels) gives one map
-            per level, fused (:mod:`camviz.core.taps`). ``None``: the default target layer
-            (:func:`camviz.core.layers.default_target_layer`).
+            output, and a layer whose output holds feature maps (an FPN's levels) gives one
+            map per level, fused (:mod:`camviz.core.taps`). ``None``: the default target
+            layer (:func:`camviz.core.layers.default_target_layer`).
         target: What to explain (:mod:`camviz.core.targets`): a class id, ids, ``None`` for
             the top class (or the output itself when it is one number per sample),
             ``"top3"``, a ``Region``, ``Contrast``, ``Similarity`` or ``Detection``, or a
@@ -166,6 +166,8 @@ def explain(
         CamvizError: A bad layer, target, input, layout, method or option; NaN or Inf in the
             scores or activations (naming the first layer to output them); all-zero maps at a
             default layer that the score does not depend on.
+
+    Two threads calling this with one model take turns (see the module docstring).
     """
     cam = _method(method, options)
     model = _unwrapped(uncompiled(model))
@@ -178,7 +180,7 @@ def explain(
     with exclusive(model), eval_mode(model), forward_precision(model, dtype, channels_last, device):
         passes = _Passes.of(cam, model, batch, layer, at, layout, output_key)
         chosen = chosen.prepare(model, batch)
-        recorded = passes.record(batch, chosen, calls=not passes.kinds.all_known(passes.layers))
+        recorded = passes.first(batch, chosen)
         _check_finite(model, batch, recorded)
         passes = passes.spots_of(recorded)
         raw = passes.raw_maps(batch, recorded)
@@ -291,6 +293,11 @@ class _Passes:
             hessian=self.cam.uses_hessian,
             record=calls,
         )
+
+    def first(self, batch: Inputs, target: TargetObject) -> LayerPass:
+        """The plain pass, with its module calls when a spot's layout kind is not known
+        without them."""
+        return self.record(batch, target, calls=not self.kinds.all_known(self.layers))
 
     def spots_of(self, recorded: LayerPass) -> _Passes:
         """These passes at the spots the plain pass recorded (a container spot as its maps'

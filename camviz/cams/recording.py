@@ -134,10 +134,13 @@ class _Tap:
 class _Watch:
     """Keeps the tensor at a spot a target asked for, as the rest of the network got it."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.ran = False
         self.handed: Any = None
 
     def __call__(self, output: Any) -> Any:
+        self.ran = True
         self.handed = output
         return output
 
@@ -206,7 +209,7 @@ def _forward(
 ) -> tuple[Any, dict[str, Any], Placement, CallLog | None]:
     """The model's output with the taps on, what the target's spots handed on, where the
     grids lie on the input, and the module calls if ``record``."""
-    watches = {spot: _Watch() for spot in target.spots if spot not in taps}
+    watches = {spot: _Watch(spot) for spot in target.spots if spot not in taps}
     log = None
     with (
         edit_spots(model, {**taps, **watches}, containers=True),
@@ -220,6 +223,12 @@ def _forward(
         else:
             output = batch(model)
     edits: dict[str, _Tap | _Watch] = {**taps, **watches}
+    for edit in edits.values():
+        if not edit.ran:
+            raise CamvizError(
+                f"layer {edit.name!r} did not run in the forward pass; pick a layer that the "
+                "model uses (`camviz layers` lists them with shapes)"
+            )
     spots = {spot: edits[spot].handed for spot in target.spots}
     placement = placed.placement(batch.main.shape[2:], batch.image_sizes, batch.size)
     return output, spots, placement, log
@@ -231,11 +240,6 @@ def _recorded(taps: dict[str, _Tap]) -> tuple[dict[str, torch.Tensor], dict[str,
     activations: dict[str, torch.Tensor] = {}
     deltas: dict[str, torch.Tensor] = {}
     for tap in taps.values():
-        if not tap.ran:
-            raise CamvizError(
-                f"layer {tap.name!r} did not run in the forward pass; pick a layer that the "
-                "model uses (`camviz layers` lists them with shapes)"
-            )
         activations.update(tap.activations)
         deltas.update(tap.deltas)
     return activations, deltas
