@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import io
 import os
+import re
 from pathlib import Path
 
 import matplotlib
@@ -119,6 +122,19 @@ def test_heatmap_image_takes_a_pillow_size() -> None:
 def test_bad_heatmaps_are_refused(image: Image.Image, heatmap, message: str) -> None:
     with pytest.raises(CamvizError, match=message):
         overlay(image, heatmap)
+
+
+def test_a_map_out_of_range_is_refused_naming_a_function_that_normalises_it(image) -> None:
+    heatmap = torch.linspace(-1.0, 3.0, 48).view(6, 8)
+    with pytest.raises(CamvizError, match=r"got -1 to 3; normalise the map first") as error:
+        overlay(image, heatmap)
+    named = re.search(r"camviz(?:\.\w+)+", str(error.value))
+    assert named is not None
+    module, name = named.group(0).rsplit(".", 1)
+    normalised = getattr(importlib.import_module(module), name)(heatmap[None])[0]
+    torch.testing.assert_close(normalised, (heatmap + 1) / 4)
+    expected = expected_blend(np.asarray(image, dtype=np.float64), normalised.numpy(), 0.5, "jet")
+    np.testing.assert_allclose(np.asarray(overlay(image, normalised)), expected, atol=1)
 
 
 def test_bad_alpha_and_colour_map_are_refused(image: Image.Image) -> None:
@@ -274,8 +290,28 @@ def test_show_returns_images_jupyter_can_draw(image: Image.Image) -> None:
 def test_save_writes_images_figures_and_tensors(tmp_path: Path, image: Image.Image) -> None:
     save(image, tmp_path / "image.png")
     np.testing.assert_array_equal(read(tmp_path / "image.png"), np.asarray(image))
-    save(panel(image, np.zeros((6, 8))), tmp_path / "panel.png")
-    assert read(tmp_path / "panel.png").shape[1] > 0
+    # An all-zero map draws jet's lowest colour, dark blue, blended half and half.
+    figure = panel(image, np.zeros((6, 8)))
+    _, heatmap_ax, overlay_ax = figure.axes
+    assert not heatmap_ax.images[0].get_array().any()
+    assert heatmap_ax.images[0].get_clim() == (0.0, 1.0)  # zero is the bottom of the scale
+    dark_blue = np.zeros((6, 8, 3))
+    dark_blue[..., 2] = 127.5
+    expected = np.rint(0.5 * np.asarray(image, dtype=np.float64) + 0.5 * dark_blue)
+    np.testing.assert_allclose(overlay_ax.images[0].get_array(), expected, atol=1)
+    save(figure, tmp_path / "panel.png")
+    drawn = io.BytesIO()
+    figure.savefig(drawn, format="png")
+    with Image.open(drawn) as rendered:
+        np.testing.assert_array_equal(read(tmp_path / "panel.png"), np.asarray(rendered))
+    # In the picture: the middle tile is one solid dark-blue rectangle of the image's shape.
+    pixels = read(tmp_path / "panel.png")[..., :3]
+    blue = (pixels == matplotlib.colormaps["jet"](0.0, bytes=True)[:3]).all(axis=-1)
+    (top, left), (bottom, right) = np.argwhere(blue).min(0), np.argwhere(blue).max(0) + 1
+    assert blue.sum() == (bottom - top) * (right - left)
+    assert abs((right - left) / (bottom - top) - 8 / 6) < 0.01
+    width = pixels.shape[1]
+    assert width / 3 <= left < right <= 2 * width / 3
     save(panel(image, np.zeros((6, 8))), tmp_path / "panel.pdf")
     assert (tmp_path / "panel.pdf").read_bytes().startswith(b"%PDF")
     save(torch.zeros(3, 2, 2), tmp_path / "grid.bmp")

@@ -8,8 +8,8 @@ import matplotlib
 import numpy as np
 import pytest
 import torch
+from conftest import conv_net
 from PIL import Image
-from torch import nn
 
 from camviz.core.maps import upsample
 from camviz.io import render
@@ -98,10 +98,7 @@ def test_the_folder_job_draws_on_a_cuda_gpu_and_else_on_the_cpu(tmp_path, photo,
     monkeypatch.setattr(job, "overlay", spy(overlay))
     monkeypatch.setattr(job, "panel_image", spy(panel_image))
     monkeypatch.setattr(job, "drawing_device", lambda device: device)  # the CPU as the GPU
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()
-    ).eval()
+    model = conv_net(4, classes=None, padding=1)  # four scores
     photo.save(tmp_path / "photo.png")
     loaded = LoadedModel(model, Preprocess(size=16), ["a", "b", "c", "d"], "tiny")
     job.explain_files(tmp_path / "photo.png", tmp_path / "out", loaded, layer="1")

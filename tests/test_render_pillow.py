@@ -11,6 +11,7 @@ import matplotlib
 import numpy as np
 import pytest
 import torch
+from conftest import conv_net
 from PIL import Image
 
 import camviz
@@ -132,20 +133,11 @@ def test_the_batch_path_does_not_import_matplotlib(monkeypatch, photo, heatmap):
 
 
 def test_folder_job_draws_pixel_level_maps_clipped_and_panels_as_jpeg(tmp_path, photo):
-    from torch import nn
-
     from camviz.io.images import Preprocess
     from camviz.io.models import LoadedModel
     from camviz.pipeline.job import Outputs, explain_files
 
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(4, 3),
-    ).eval()
+    model = conv_net(4, padding=1)
     loaded = LoadedModel(model, Preprocess(size=16), ["a", "b", "c"], "tiny")
     photo.save(tmp_path / "photo.png")
     outputs = Outputs(overlay=True, panel=True, heatmap="npz")

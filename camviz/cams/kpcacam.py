@@ -55,8 +55,9 @@ class KPCACAM(CamMethod):
     ``exp(-gamma |x - y|^2)``, ``poly`` ``(gamma <x, y> + 1)^3``, ``linear`` ``<x, y>`` (then
     this is Eigen-CAM), ``cosine``.
 
-    Cost: an ``n x n`` eigendecomposition per image, cheap for a last convolutional layer
-    (7 x 7) and seconds for a 56 x 56 grid.
+    Cost: an ``n x n`` eigendecomposition per image, cubic in ``n``: cheap for a last
+    convolutional layer (7 x 7, ``n = 49``), costly for an early one (56 x 56,
+    ``n = 3136``).
 
     Args:
         kernel: The kernel (default ``"sigmoid"``, pytorch-grad-cam's).

@@ -503,7 +503,7 @@ def _as_map(heatmap: Heatmap, device: torch.device | str = "cpu") -> torch.Tenso
     if low < -_TOLERANCE or high > 1 + _TOLERANCE:
         raise CamvizError(
             f"heatmap values must lie in [0, 1], got {low:.3g} to {high:.3g}; normalise the "
-            "map first (camviz.cams.engine.normalize)"
+            "map first (camviz.core.maps.normalize scales each map of a batch to [0, 1])"
         )
     return values.clamp(0, 1)
 
