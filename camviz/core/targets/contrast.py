@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,14 +14,6 @@ from camviz.core.targets.protocol import Change, Context, Resolved, ScoreFn, Tar
 
 if TYPE_CHECKING:
     from camviz.core.targets.convert import Target
-
-
-class ReferenceClasses(Protocol):
-    """Classes chosen as the reference of a contrast, relative to the contrasted classes."""
-
-    def reference_classes(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``(N, T)`` classes, from the ``(N, classes)`` scores and the ``(N,)`` ids of ``a``."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -47,6 +39,7 @@ class Nearest(TargetObject):
         return ClassIds(change.plain.class_ids)
 
     def reference_classes(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``(N, k)``: the classes scored nearest to ``ids``, as the reference of a contrast."""
         return nearest_classes(scores, ids, self.k)
 
 
