@@ -210,7 +210,7 @@ def test_a_detection_is_followed_into_a_flipped_image_by_its_flipped_box():
     )
 
 
-def test_callables_with_and_without_rows_are_their_own_score():
+def test_callables_with_and_without_rows_are_scored_as_given():
     plain = as_target(lambda out: out[:, 3])
     assert isinstance(plain, CallableTarget)
     resolved = plain.resolve(LOGITS, PLAIN)

@@ -2,8 +2,10 @@
 
 The engine (:mod:`camviz.cams.engine`) runs the model once, records the target layer's
 activations and, if the method asks for them, the exact gradients of the explained score
-with respect to those activations. A method only turns that :class:`LayerData` into one
-raw map per sample; the engine applies ReLU, normalises and upsamples.
+with respect to those activations (:mod:`camviz.cams.recording`). A method only turns that
+:class:`LayerData` into one raw map per sample; the engine applies ReLU, normalises and
+upsamples (:mod:`camviz.cams.finishing`). What a method gives besides is declared by its
+class (:class:`ChannelWeighted`, :class:`InputMapMethod`).
 
 Activations are channels-first ``(N, C, *grid)`` with one to three grid axes (signals,
 images, volumes), so methods reduce over :func:`grid_dims`, never over fixed axes.

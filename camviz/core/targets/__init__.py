@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from camviz.core.targets.callables import CallableTarget, call_target, takes_rows
+from camviz.core.targets.callables import CallableTarget, UserScore, call_target, takes_rows
 from camviz.core.targets.classes import (
     ClassIds,
     Predicted,
@@ -90,6 +90,7 @@ __all__ = [
     "Target",
     "TargetObject",
     "TopK",
+    "UserScore",
     "as_logits",
     "as_target",
     "call_target",

@@ -14,24 +14,39 @@ from typing import Any
 import torch
 
 from camviz.core.errors import CamvizError, first_line
+from camviz.core.hooks import tensors_in
 from camviz.core.targets.outputs import row_count, take_rows
 from camviz.core.targets.protocol import Change, Context, Resolved, TargetObject
 
 
 @dataclass(frozen=True, eq=False)
 class CallableTarget(TargetObject):
-    """A user's callable (or a score function handed on by a method), scored through
-    :func:`call_target`; it is its own score function, and no class."""
+    """A user's callable (or a score function handed on by a method) as a target: scored
+    through :func:`call_target`, and no class."""
 
     fn: Callable[..., torch.Tensor]
 
     def resolve(self, output: Any, context: Context) -> Resolved:
-        return Resolved((self,))
+        return Resolved((UserScore(self.fn, context.batch_size),))
 
     def follow(self, change: Change) -> TargetObject:
         return self
 
+
+@dataclass(frozen=True, eq=False)
+class UserScore:
+    """The score function of a :class:`CallableTarget`: in the pass it was resolved on
+    (``rows=None``), a callable that takes rows gets those of the ``batch_size`` inputs
+    (``None``: as many as the output has rows)."""
+
+    fn: Callable[..., torch.Tensor]
+    batch_size: int | None
+
     def __call__(self, output: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
+        if rows is None and self.batch_size is not None and takes_rows(self.fn):
+            first = next(tensors_in(output), None)
+            device = first.device if first is not None else None
+            rows = torch.arange(self.batch_size, device=device)
         return call_target(self.fn, output, rows)
 
 
