@@ -18,6 +18,7 @@ CHANNEL_MAP_METHODS = [
     "ablationcam",
     "cam",
     "fem",
+    "fem_pgc",
     "gradcam",
     "gradcam++",
     "smooth_gradcam++",

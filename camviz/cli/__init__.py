@@ -7,9 +7,9 @@ Subcommands only parse arguments and call the Python API, and they import torch 
 
 A :class:`~camviz.core.errors.CamvizError` (a user mistake) is printed as one line on stderr
 with exit status 1, and so is an ``OSError`` that no layer below turned into one (a disk
-that fails); argument errors exit with 2, as argparse does. Every message goes through
-:func:`camviz.cli.text.printable`, so a file name cannot write escape sequences to the
-terminal or break the line.
+that fails); argument errors exit with 2, as argparse does. Every line goes through
+:func:`camviz.cli.text.echo`, so a file name cannot write escape sequences to the terminal
+or break the line, and every warning is one ``camviz: warning:`` line.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from camviz import __version__
-from camviz.cli.text import Parser, printable
+from camviz.cli.text import Parser, echo, one_line_warnings
 from camviz.core.errors import CamvizError, first_line
 
 SUBCOMMANDS = ("explain", "layers", "methods", "features", "inspect", "compare")
@@ -45,10 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = build_parser().parse_args(argv)
+    with one_line_warnings():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The subcommand's status, or a one-line error's."""
     try:
         return args.run(args)
     except CamvizError as error:
-        print(f"camviz: error: {printable(str(error))}", file=sys.stderr)
+        echo(f"camviz: error: {error}", stream=sys.stderr)
         return 1
     except BrokenPipeError:
         # The reader went away (`camviz methods | head`): stop quietly, as other tools do.
@@ -56,9 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except OSError as error:
         where = f": {error.filename}" if error.filename else ""
-        message = f"{error.strerror or first_line(error)}{where}"
-        print(f"camviz: error: {printable(message)}", file=sys.stderr)
+        echo(f"camviz: error: {error.strerror or first_line(error)}{where}", stream=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("camviz: interrupted", file=sys.stderr)
+        echo("camviz: interrupted", stream=sys.stderr)
         return 130
