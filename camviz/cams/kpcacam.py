@@ -60,8 +60,9 @@ class KPCACAM(CamMethod):
     ``lambda_1`` next to the trace of ``K`` (before centring; see
     :mod:`camviz.cams.projection`).
 
-    Cost: an ``n x n`` eigendecomposition per image, cheap for a last convolutional layer
-    (7 x 7) and seconds for a 56 x 56 grid.
+    Cost: an ``n x n`` eigendecomposition per image, cubic in ``n``: cheap for a last
+    convolutional layer (7 x 7, ``n = 49``), costly for an early one (56 x 56,
+    ``n = 3136``).
 
     Args:
         kernel: The kernel (default ``"sigmoid"``, pytorch-grad-cam's).

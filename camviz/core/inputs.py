@@ -286,7 +286,8 @@ def _to(value: Any, device: torch.device | None) -> Any:
 
 def as_batch(inputs: object, model: nn.Module) -> torch.Tensor:
     """One float image batch ``(N, C, H, W)`` on the model's device, for the functions that
-    change an image's pixels (the metrics, the sanity check, the comparison report).
+    change an image's pixels (the metrics, the sanity check, the comparison report) or read
+    its grid (:func:`camviz.factorize`).
 
     The same checks, device and single-image rule as :func:`as_inputs`, for one tensor of
     images.
@@ -301,7 +302,7 @@ def as_batch(inputs: object, model: nn.Module) -> torch.Tensor:
     batch = as_inputs(inputs, model).main
     if batch.dim() != 4:
         raise CamvizError(
-            f"this measures image batches (N, C, H, W), got shape {tuple(batch.shape)}; "
+            f"this takes image batches (N, C, H, W), got shape {tuple(batch.shape)}; "
             "explain signals and volumes with camviz.explain"
         )
     return batch.detach()

@@ -25,6 +25,13 @@ from camviz.core.layerkinds import CallLog, record_calls
 from camviz.core.modelstate import HookSet, eval_mode
 from camviz.core.precision import Precision, model_precision
 
+__all__ = [
+    "Layer",
+    "default_target_layer",
+    "layer_shapes",
+    "resolve_layers",
+]
+
 _WILDCARDS = frozenset("*?[")
 
 Layer: TypeAlias = str | nn.Module
@@ -136,12 +143,18 @@ def default_target_layer(model: nn.Module, inputs: torch.Tensor | Inputs) -> str
     modes are left as they were.
 
     Raises:
-        CamvizError: No layer produces a spatial output.
+        CamvizError: No layer produces a spatial output, or the batch is empty (and the
+            model is none of the families above).
     """
     by_family = family_layer(model)  # no model call: also for inputs it takes otherwise
     if by_family is not None:
         return by_family
     batch = inputs if isinstance(inputs, Inputs) else as_inputs(inputs, model)
+    if not batch.size:  # refused even when remembered, so the answer never depends on history
+        raise CamvizError(
+            "the batch is empty, and the default layer is found by running the model on a "
+            "sample; pass layer=NAME to explain an empty batch"
+        )
     rank = batch.main.dim() - 2
     per_model = _default_cache.setdefault(model, {})
     if rank in per_model:
