@@ -37,7 +37,7 @@ SUBCOMMANDS = ("explain", "layers", "methods", "features", "inspect", "compare")
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="camviz",
         description="See what a PyTorch vision model looks at.",
     )

@@ -13,7 +13,7 @@ import sys
 import unicodedata
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 # Characters that change how a terminal shows what follows: bidirectional overrides and
 # isolates (a file name could reverse the rest of the line).
@@ -106,8 +106,20 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """A subcommand's parser: help with defaults shown (see :class:`DefaultsFormatter`)."""
+    """A parser whose help shows defaults (see :class:`DefaultsFormatter`) and whose errors
+    are one line.
+
+    argparse prints the whole usage before an error; camviz's rule is one line that says
+    what was wrong and what to do, so the usage is replaced by a pointer to ``--help``.
+    """
 
     def __init__(self, **options: object) -> None:
         options.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(**options)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(
+            2,
+            printable(f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)")
+            + "\n",
+        )
