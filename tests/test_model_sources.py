@@ -24,6 +24,7 @@ from PIL import Image
 import camviz
 from camviz.cli import build_parser, main
 from camviz.cli.options import model_argument
+from camviz.io.sources.ultralytics import import_ultralytics
 
 FACTORY = """
 import torch
@@ -116,7 +117,7 @@ def hf_vit(folder) -> Path:
 @pytest.fixture(scope="module")
 def yolo(folder) -> tuple[Path, Path]:
     """The YOLO ``.yaml`` and a state_dict whose heads give distinct scores and small boxes."""
-    tasks = pytest.importorskip("ultralytics.nn.tasks")
+    tasks = import_ultralytics()  # without its patches of Pillow and torch
     yaml = folder / "tiny.yaml"
     yaml.write_text(YOLO_YAML)
     torch.manual_seed(0)
@@ -389,6 +390,7 @@ def test_yolo_boxes_are_ultralytics_own_on_the_photo(yolo):
     assert sorted(nearest.indices.tolist()) == list(range(len(expected)))
     torch.testing.assert_close(found["scores"], expected[nearest.indices, 4], atol=1e-2, rtol=0)
     assert os.environ["YOLO_OFFLINE"] == "1" and os.environ["YOLO_AUTOINSTALL"] == "False"
+    assert Image.open.__module__ == "PIL.Image" and torch.save.__module__ == "torch.serialization"
 
 
 def test_a_yolo_map_lies_on_the_photo_through_the_letterbox(yolo):
@@ -433,7 +435,7 @@ def test_yolo_from_the_command_line_one_map_per_box(cli, photo, yolo, tmp_path):
 
 
 def test_a_pickled_yolo_loads_only_when_trusted(cli, photo, yolo, folder, tmp_path):
-    tasks = pytest.importorskip("ultralytics.nn.tasks")
+    tasks = import_ultralytics()
     yaml, weights = yolo
     network = tasks.DetectionModel(str(yaml), verbose=False)
     network.load_state_dict(torch.load(weights, weights_only=True))

@@ -11,6 +11,7 @@ from camviz.cli.options import (
     add_memory_budget_option,
     add_model_options,
     add_precision_options,
+    worker_count,
 )
 from camviz.cli.text import printable
 
@@ -111,7 +112,7 @@ def _add_batches(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--workers",
-        type=_not_negative,
+        type=worker_count,
         default=min(4, max(0, (os.cpu_count() or 1) - 1)),
         metavar="N",
         help="processes that decode images (0: decode in the main process)",

@@ -17,20 +17,24 @@ feature levels, fused). A classifier (``-cls``) takes the photo's shorter side a
 mean 0 and std 1.
 
 Ultralytics runs with ``YOLO_OFFLINE=1`` and ``YOLO_AUTOINSTALL=False``: it neither downloads
-nor installs anything. A ``YOLO(...)`` object is unwrapped to the network it holds.
+nor installs anything, and the functions of other libraries it replaces when imported are put
+back (:func:`import_ultralytics`). A ``YOLO(...)`` object is unwrapped to the network it holds.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from PIL import Image
 from torch import nn
 
 from camviz.core.errors import CamvizError, first_line
@@ -42,7 +46,14 @@ if TYPE_CHECKING:
     from camviz.io.architectures import Task
     from camviz.io.images import Preprocess
 
-__all__ = ["PREFIX", "Adapted", "UltralyticsSource", "YoloDetector", "adapted"]
+__all__ = [
+    "PREFIX",
+    "Adapted",
+    "UltralyticsSource",
+    "YoloDetector",
+    "adapted",
+    "import_ultralytics",
+]
 
 #: Names starting with this are Ultralytics model files (``"yolo:yolov8n.yaml"``).
 PREFIX = "yolo:"
@@ -80,7 +91,6 @@ class UltralyticsSource(ModelSource):
         self.adapted: Adapted | None = None
 
     def build(self) -> nn.Module:
-        _offline()
         network = self._pickled() if self.pickled else self._built()
         self.adapted = adapted(network)
         assert self.adapted is not None  # _pickled and _built return Ultralytics networks
@@ -100,7 +110,7 @@ class UltralyticsSource(ModelSource):
         return None if self.adapted is None else self.adapted.default_layer
 
     def _built(self) -> nn.Module:
-        tasks = import_extra("ultralytics.nn.tasks", "yolo", "yolo: models")
+        tasks = import_ultralytics()
         try:
             config = tasks.yaml_model_load(str(self.path))
         except (OSError, FileNotFoundError) as error:
@@ -132,7 +142,7 @@ class UltralyticsSource(ModelSource):
         return network
 
     def _pickled(self) -> nn.Module:
-        import_extra("ultralytics", "yolo", "yolo: models")
+        import_ultralytics()
         if not self.path.is_file():
             raise CamvizError(f"{self.path} does not exist; give the path of an Ultralytics .pt")
         try:
@@ -210,12 +220,12 @@ def _ultralytics_network(module: object) -> nn.Module | None:
     """The ``BaseModel`` network in ``module`` (itself, or a ``YOLO(...)``'s ``.model``)."""
     if "ultralytics" not in sys.modules:  # nothing can be an Ultralytics model
         return None
+    tasks = import_ultralytics()
     from ultralytics.engine.model import Model
-    from ultralytics.nn.tasks import BaseModel
 
     if isinstance(module, Model):
         module = module.model
-    return module if isinstance(module, BaseModel) else None
+    return module if isinstance(module, tasks.BaseModel) else None
 
 
 def _class_names(network: nn.Module) -> list[str]:
@@ -235,11 +245,27 @@ def _head(network: nn.Module) -> Any:
     return cast(Any, network).model[-1]
 
 
-def _offline() -> None:
-    """Ultralytics neither downloads nor installs anything in a camviz run (read when
-    Ultralytics is imported)."""
+def import_ultralytics() -> ModuleType:
+    """``ultralytics.nn.tasks``, imported offline and without its patches of other libraries.
+
+    Ultralytics reads ``YOLO_OFFLINE`` and ``YOLO_AUTOINSTALL`` when it is imported, so they
+    are set first: it neither downloads nor installs anything in a camviz run. Its import also
+    replaces ``PIL.Image.open`` (with one that installs a HEIF plugin from PyPI when Pillow
+    cannot read a file: camviz's message for a file that is no image would become an
+    installation attempt) and ``torch.save``; both are put back.
+
+    Raises:
+        CamvizError: Ultralytics is not installed (with the ``pip install`` to run).
+    """
     os.environ["YOLO_OFFLINE"] = "1"
     os.environ["YOLO_AUTOINSTALL"] = "False"
+    saved = Image.open, torch.save
+    try:
+        tasks = import_extra("ultralytics.nn.tasks", "yolo", "yolo: models")
+        importlib.import_module("ultralytics.engine.model")
+    finally:
+        Image.open, torch.save = saved
+    return tasks
 
 
 class YoloDetector(nn.Module):
