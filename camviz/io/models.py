@@ -202,12 +202,13 @@ def load(
     preprocess = _adjusted(source.preprocess(), options)
     task = options.task or source.task(model) or task_of(model)
     clip_len = (source.clip_len() or DEFAULT_CLIP_LEN) if task == "video" else None
+    blank = _blank(model, preprocess, task, clip_len)
     loaded = LoadedModel(
         model=model,
         preprocess=preprocess,
-        categories=_categories(source.class_names(model), options.classes, model, preprocess),
+        categories=_categories(source.class_names(model), options.classes, model, blank),
         name=source.name,
-        default_layer=source.default_layer(model) or _default_layer(model, preprocess, clip_len),
+        default_layer=source.default_layer(model) or _default_layer(model, blank),
         task=task,
         clip_len=clip_len,
     )
@@ -264,6 +265,10 @@ def task_of(model: nn.Module) -> Task:
     return "video" if isinstance(first, nn.Conv3d) else "classification"
 
 
+# The side of the blank volume of a volume model's dry runs (a multiple of a UNet's 16).
+_VOLUME_SIDE = 32
+
+
 def with_input_size(loaded: LoadedModel, size: int) -> LoadedModel:
     """``loaded`` with images (or frames) scaled to ``size`` pixels on their shorter side.
 
@@ -285,28 +290,35 @@ def with_input_size(loaded: LoadedModel, size: int) -> LoadedModel:
     return dataclasses.replace(loaded, changes=(*others, DetectorInputSize(size)))
 
 
-def _blank(preprocess: Preprocess, clip_len: int | None) -> torch.Tensor:
-    """A blank input of the preprocessed size (a clip of ``clip_len`` frames)."""
+def _blank(
+    model: nn.Module, preprocess: Preprocess, task: Task, clip_len: int | None
+) -> torch.Tensor:
+    """A blank input for the dry runs: an image of the preprocessed size, a clip of
+    ``clip_len`` such frames, or a volume of 32 voxels a side; with the channels the
+    model's first convolution takes (a scan's one), else the preprocessing's."""
+    first = next((m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
+    channels = first.in_channels if first is not None else preprocess.channels
+    if task == "volume":
+        return torch.zeros(1, channels, *(_VOLUME_SIDE,) * 3)
     frames = () if clip_len is None else (clip_len,)
-    return torch.zeros(1, preprocess.channels, *frames, preprocess.size, preprocess.size)
+    return torch.zeros(1, channels, *frames, preprocess.size, preprocess.size)
 
 
-def _default_layer(model: nn.Module, preprocess: Preprocess, clip_len: int | None) -> str | None:
-    """The layer :func:`camviz.explain` picks for ``model``, from one dry run on a blank
-    image (a blank clip of ``clip_len`` frames) of the preprocessed size; ``None`` when it
-    has no spatial layer. The engine remembers the answer per model, so explaining with
-    ``layer=None`` later costs no second dry run."""
+def _default_layer(model: nn.Module, blank: torch.Tensor) -> str | None:
+    """The layer :func:`camviz.explain` picks for ``model``, from one dry run on ``blank``;
+    ``None`` when it has no spatial layer. The engine remembers the answer per model, so
+    explaining with ``layer=None`` later costs no second dry run."""
     try:
-        return default_target_layer(model, _blank(preprocess, clip_len))
+        return default_target_layer(model, blank)
     except CamvizError:
         return None
 
 
 def _categories(
-    known: list[str] | None, given: Sequence[str] | None, model: nn.Module, preprocess: Preprocess
+    known: list[str] | None, given: Sequence[str] | None, model: nn.Module, blank: torch.Tensor
 ) -> list[str]:
     """The class names: ``given`` (checked against the model's output) or the source's own;
-    ``"class K"`` for each of the model's outputs when neither names them."""
+    ``"class K"`` for each of the model's outputs on ``blank`` when neither names them."""
     if given is not None and known is not None and len(given) != len(known):
         raise CamvizError(
             f"{len(given)} class names were given, but the model has {len(known)} classes; "
@@ -314,18 +326,18 @@ def _categories(
         )
     if given is not None or known is not None:
         return list(given if given is not None else known or ())
-    count = _output_classes(model, preprocess)
+    count = _output_classes(model, blank)
     return [f"class {index}" for index in range(count or 0)]
 
 
-def _output_classes(model: nn.Module, preprocess: Preprocess) -> int | None:
-    """How many scores the model gives per image (axis 1 of its output), from one pass on a
-    blank image; ``None`` when that pass fails or answers no tensor."""
+def _output_classes(model: nn.Module, blank: torch.Tensor) -> int | None:
+    """How many scores the model gives per input (axis 1 of its output), from one pass on
+    ``blank``; ``None`` when that pass fails or answers no tensor."""
     from camviz.core.targets import as_logits
 
     try:
         with torch.no_grad():
-            output = as_logits(model(_blank(preprocess, None)))
+            output = as_logits(model(blank))
     except Exception:  # a model of other inputs: its classes stay unnamed
         return None
     return int(output.shape[1]) if output.dim() >= 2 else None

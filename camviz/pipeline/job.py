@@ -108,6 +108,7 @@ from camviz.io.pictures import (
     panel_image,
 )
 from camviz.io.video import frame_rate
+from camviz.io.volumes import is_volume
 from camviz.pipeline import distributed, lock, manifest
 from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
 from camviz.pipeline.encoders import existing_outputs, save_heatmap, save_jpeg
@@ -117,6 +118,7 @@ from camviz.pipeline.naming import VIDEO_SUFFIX, result_files
 from camviz.pipeline.settings import HeatmapFormat, JobSettings, Outputs, RenderOptions
 from camviz.pipeline.tasks import TaskOptions, clip_spec, fit_task, prepared
 from camviz.pipeline.videos import write_videos
+from camviz.pipeline.volumes import explain_volume, write_volume_files
 
 # The names this module always offered, now made in the modules beside it.
 __all__ = [
@@ -343,6 +345,12 @@ class _Job:
         """Explain the items at ``indices`` with ``options`` for :func:`camviz.explain`."""
         from camviz.pipeline.writer import Writer
 
+        volumes = {index for index in indices if _is_volume(self.items[index])}
+        for index in sorted(volumes):
+            self._volume(index, options)
+        indices = [index for index in indices if index not in volumes]
+        if not indices:
+            return
         settings = self.settings
         results = explain_dataset(
             self.loaded,
@@ -368,15 +376,37 @@ class _Job:
                         self.explained += 1
                         writer.submit(self._write, result)
                     else:
-                        row = _row(self.items[result.index], result, [])
-                        self.failures.append(row)
-                        if self.log is not None:
-                            self.log.append(row)
+                        self._failed(_row(self.items[result.index], result, []))
         except BaseException:
             if self.log is not None:
                 self.log.close(check=False)
                 self.log = None
             raise
+
+    def _volume(self, index: int, options: dict[str, Any]) -> None:
+        """Explain one NIfTI volume, write its files and its row (see
+        :mod:`camviz.pipeline.volumes`); a volume that fails gets a failed row."""
+        item = self.items[index]
+        try:
+            result = explain_volume(self.loaded, item.path, self.settings, options)
+        except CamvizError as error:
+            self._failed(_row(item, ImageResult(index, item.path, None, "error", str(error)), []))
+            return
+        self._open()
+        assert self.log is not None  # _open made it
+        self.explained += 1
+        files = write_volume_files(self.out, item.name, result, self.settings, self.clip)
+        explained = [{**_prediction(prediction), "files": files} for prediction in result.explained]
+        if not bool(result.heatmap.any()):
+            explained[0]["empty"] = True
+        done = ImageResult(index, item.path, None, "ok", top=result.top, layers=result.layers)
+        done.seconds = result.seconds
+        self.log.append({**_row(item, done, explained), **result.row_fields()})
+
+    def _failed(self, row: dict[str, Any]) -> None:
+        self.failures.append(row)
+        if self.log is not None:
+            self.log.append(row)
 
     def close(self) -> None:
         """Write the rows of failed inputs if nothing opened the folder yet; close the log."""
@@ -502,6 +532,11 @@ class _Job:
             alpha=self.render.alpha,
             colormap=self.render.colormap,
         )
+
+
+def _is_volume(item: Item) -> bool:
+    """Whether ``item`` is a NIfTI volume to explain (not one that failed to expand)."""
+    return item.reason is None and item.frame is None and is_volume(item.path)
 
 
 def _object_label(prediction: Prediction) -> str:
