@@ -253,12 +253,15 @@ def _not_negative(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from camviz.cli.options import load_model
     from camviz.io.pictures import check_render_options
+    from camviz.io.volumes import is_volume
     from camviz.pipeline import distributed
     from camviz.pipeline.job import explain_files
 
     check_render_options(args.alpha, args.colormap)
     context = distributed.from_environment()
     device = _device(args.device) if args.device else distributed.device(context)
+    if args.task is None and all(is_volume(name) for name in args.inputs):
+        args.task = "volume"  # a 3-D model of NIfTI scans, not of video clips
     loaded = load_model(args)
     loaded.model.to(device)
     manifest = explain_files(args.inputs, args.out, loaded, _settings(args, loaded))
