@@ -108,7 +108,6 @@ from camviz.io.pictures import (
     panel_image,
 )
 from camviz.io.video import frame_rate
-from camviz.io.volumes import is_volume
 from camviz.pipeline import distributed, lock, manifest
 from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
 from camviz.pipeline.encoders import existing_outputs, save_heatmap, save_jpeg
@@ -118,7 +117,7 @@ from camviz.pipeline.naming import VIDEO_SUFFIX, result_files
 from camviz.pipeline.settings import HeatmapFormat, JobSettings, Outputs, RenderOptions
 from camviz.pipeline.tasks import TaskOptions, clip_spec, fit_task, prepared
 from camviz.pipeline.videos import write_videos
-from camviz.pipeline.volumes import explain_volume, write_volume_files
+from camviz.pipeline.volumes import explain_volume, is_volume_item, write_volume_files
 
 # The names this module always offered, now made in the modules beside it.
 __all__ = [
@@ -345,7 +344,7 @@ class _Job:
         """Explain the items at ``indices`` with ``options`` for :func:`camviz.explain`."""
         from camviz.pipeline.writer import Writer
 
-        volumes = {index for index in indices if _is_volume(self.items[index])}
+        volumes = {index for index in indices if is_volume_item(self.items[index])}
         for index in sorted(volumes):
             self._volume(index, options)
         indices = [index for index in indices if index not in volumes]
@@ -395,13 +394,8 @@ class _Job:
         self._open()
         assert self.log is not None  # _open made it
         self.explained += 1
-        files = write_volume_files(self.out, item.name, result, self.settings, self.clip)
-        explained = [{**_prediction(prediction), "files": files} for prediction in result.explained]
-        if not bool(result.heatmap.any()):
-            explained[0]["empty"] = True
-        done = ImageResult(index, item.path, None, "ok", top=result.top, layers=result.layers)
-        done.seconds = result.seconds
-        self.log.append({**_row(item, done, explained), **result.row_fields()})
+        explained = write_volume_files(self.out, item.name, result, self.settings, self.clip)
+        self.log.append({**_row(item, result.outcome(index), explained), **result.row_fields()})
 
     def _failed(self, row: dict[str, Any]) -> None:
         self.failures.append(row)
@@ -453,7 +447,7 @@ class _Job:
             result.explained, result.heatmaps, names.ranks, strict=True
         ):
             self._write_files(files, item, result, prediction, heatmap)
-            entry = {**_prediction(prediction), "files": files}
+            entry = {**prediction.fields(), "files": files}
             if not bool(heatmap.any()):  # a picture of it shows nothing: say so
                 entry["empty"] = True
             explained.append(entry)
@@ -534,11 +528,6 @@ class _Job:
         )
 
 
-def _is_volume(item: Item) -> bool:
-    """Whether ``item`` is a NIfTI volume to explain (not one that failed to expand)."""
-    return item.reason is None and item.frame is None and is_volume(item.path)
-
-
 def _object_label(prediction: Prediction) -> str:
     """A detected object's label as drawn: its class name and score."""
     return f"{prediction.name} {prediction.score:.2f}"
@@ -551,24 +540,12 @@ def drawing_device(device: torch.device | None) -> torch.device | None:
     return device if device is not None and device.type == "cuda" else None
 
 
-def _prediction(prediction: Prediction) -> dict[str, Any]:
-    entry = {
-        "id": prediction.id,
-        "name": prediction.name,
-        "score": prediction.score,
-        "probability": prediction.probability,
-    }
-    if prediction.box is not None:
-        entry["box"] = [round(value, 2) for value in prediction.box]
-    return entry
-
-
 def _row(
     item: Item, result: ImageResult, explained: list[dict[str, Any]], others: Sequence[str] = ()
 ) -> dict[str, Any]:
     """The manifest row of one input (see the module docstring); ``others``: files of the
     whole input (a detection panel)."""
-    top = [_prediction(prediction) for prediction in result.top]
+    top = [prediction.fields() for prediction in result.top]
     return {
         **manifest.input_fields(item.path),
         "frame": item.frame,

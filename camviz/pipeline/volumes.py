@@ -40,16 +40,23 @@ from camviz.core.targets import class_name
 from camviz.core.windows import Blend, SlidingWindowModel, Windows
 from camviz.io.models import LoadedModel
 from camviz.io.pictures import overlay
-from camviz.io.volumes import Volume, intensities, montage, read_volume
+from camviz.io.volumes import Volume, intensities, is_volume, montage, read_volume
 from camviz.pipeline.encoders import save_png, save_volume_heatmap
+from camviz.pipeline.inputs import Item
 from camviz.pipeline.naming import volume_files
-from camviz.pipeline.results import Prediction
+from camviz.pipeline.results import ImageResult, Prediction
 from camviz.pipeline.tasks import BACKGROUND, class_id
 
 if TYPE_CHECKING:
     from camviz.pipeline.settings import JobSettings
 
-__all__ = ["VolumeOptions", "VolumeResult", "explain_volume", "write_volume_files"]
+__all__ = [
+    "VolumeOptions",
+    "VolumeResult",
+    "explain_volume",
+    "is_volume_item",
+    "write_volume_files",
+]
 
 # The side of the probe that measures what one voxel of a pass costs.
 _PROBE_SIDE = 32
@@ -124,12 +131,23 @@ class VolumeResult:
         """What a volume's manifest row says beyond an image's: its shape, its windows."""
         return {"size": list(self.volume.data.shape), "windows": self.windows}
 
+    def outcome(self, index: int) -> ImageResult:
+        """The result as the job's rows read it (the explained class, a classifier's best)."""
+        return ImageResult(
+            index, None, None, "ok", top=self.top, layers=self.layers, seconds=self.seconds
+        )
+
+
+def is_volume_item(item: Item) -> bool:
+    """Whether ``item`` is a NIfTI volume to explain (not one that failed to expand)."""
+    return item.reason is None and item.frame is None and is_volume(item.path)
+
 
 def write_volume_files(
     out: Path, name: str, result: VolumeResult, settings: JobSettings, clip: float | None
-) -> dict[str, str]:
+) -> list[dict[str, Any]]:
     """Write a volume's map as NIfTI and, with overlays on, its montage; returns the files
-    by kind (:func:`camviz.pipeline.naming.volume_files`)."""
+    by kind (:func:`camviz.pipeline.naming.volume_files`), and the row's ``explained``."""
     files = volume_files(name, settings.outputs)
     save_volume_heatmap(result.heatmap, result.volume, out / files["heatmap"])
     if "montage" in files:
@@ -139,7 +157,10 @@ def write_volume_files(
             return overlay(image, heatmap, render.alpha, render.colormap, clip=clip)
 
         save_png(montage(result.scan, result.heatmap, draw), out / files["montage"])
-    return files
+    explained = [{**prediction.fields(), "files": files} for prediction in result.explained]
+    if not bool(result.heatmap.any()):  # a picture of it shows nothing: say so
+        explained[0]["empty"] = True
+    return explained
 
 
 def explain_volume(
