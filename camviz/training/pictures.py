@@ -26,7 +26,9 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = [
+    "STEP_CELL",
     "STRIP_COLUMNS",
+    "SUMMARY_CELL",
     "curves",
     "figure_picture",
     "overlays",
@@ -38,9 +40,11 @@ __all__ = [
 #: The most steps the strip shows: the first, the last and evenly spaced ones between.
 STRIP_COLUMNS = 10
 
-# Strip cells are scaled to this height (tiny probes are enlarged, large ones reduced); the
-# gap between cells and the caption size, in pixels.
-_CELL_HEIGHT = 96
+#: The height of the strip's cells, in pixels (tiny probes are enlarged, large ones reduced):
+#: for the summary, and for the strip logged at every step (smaller: it is encoded each time).
+SUMMARY_CELL, STEP_CELL = 96, 64
+
+# The gap between cells and the caption size, in pixels.
 _GAP = 6
 _CAPTION = 12
 _LABEL_WIDTH = 60
@@ -89,13 +93,16 @@ def strip_steps(history: Sequence[Record], columns: int = STRIP_COLUMNS) -> list
 
 
 def strip(
-    history: Sequence[Record], pictures: Sequence[Image.Image], columns: int = STRIP_COLUMNS
+    history: Sequence[Record],
+    pictures: Sequence[Image.Image],
+    columns: int = STRIP_COLUMNS,
+    cell_height: int = SUMMARY_CELL,
 ) -> Image.Image:
     """Overlays over steps: for each series a block under its name, with one row per probe
     image and one column per step (at most ``columns``), captioned with the steps."""
     shown = strip_steps(history, columns)
     first = pictures[0]
-    cell = (max(1, round(first.width * _CELL_HEIGHT / first.height)), _CELL_HEIGHT)
+    cell = (max(1, round(first.width * cell_height / first.height)), cell_height)
     enlarged = [picture.resize(cell, Image.Resampling.BILINEAR) for picture in pictures]
     series = list(shown[0].maps)
     heading = 2 * (_CAPTION + _GAP)  # the series' name, then the steps

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from camviz.pipeline.writer import Writer
-from camviz.training.pictures import overlays, probe_pictures, strip
+from camviz.training.pictures import STEP_CELL, overlays, probe_pictures, strip
 from camviz.training.record import Record
 from camviz.training.sinks import Sink
 
@@ -56,6 +56,6 @@ class Publisher:
         if self._pictures is None:
             self._pictures = probe_pictures(self._images)
         drawn = overlays(record, self._pictures)
-        shown = strip(history, self._pictures)
+        shown = strip(history, self._pictures, cell_height=STEP_CELL)
         for sink in self.sinks:
             sink.write(record, drawn, shown)
