@@ -433,6 +433,20 @@ def test_bad_settings_are_one_line_errors(options, message):
     assert "\n" not in str(error.value)
 
 
+def test_all_zero_maps_are_said_once_per_tracker_and_kept(recwarn):
+    model = tiny_cnn()
+    with torch.no_grad():  # the layer outputs nothing: every map is all zero
+        model.features[3].weight.zero_()
+        model.features[3].bias.fill_(-1.0)
+    tracker = camviz.Tracker(probes(), layers=LAYER, every=1)
+    for step in range(3):
+        tracker.step(model, step)
+    said = [str(w.message) for w in recwarn if issubclass(w.category, camviz.ZeroMapWarning)]
+    assert len(said) == 1 and said[0].startswith("step 0: gradcam: 3 of 3 maps are all zero")
+    last = tracker.history[-1].maps[SERIES]
+    assert not last.heatmaps.any() and last.numbers["corr_prev"].isnan().all()
+
+
 @pytest.mark.filterwarnings("ignore::camviz.ZeroMapWarning")  # an untrained model's second class
 def test_a_target_that_gives_several_maps_per_probe_is_refused():
     tracker = camviz.Tracker(probes(), targets="top2", layers=LAYER, every=1)
