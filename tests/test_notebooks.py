@@ -70,6 +70,11 @@ FACTS: dict[str, list[str]] = {
         "explained 1 of 1 inputs -> WORK/cli-scan/manifest.json",
         "did you mean `yolo:WORK/tiny-yolo.pt`",
     ],
+    "09_training.ipynb": [
+        "the share of the map on the shape rose: True",
+        "steps explained: [0, 10, 19, 20, 30, 38]",
+        "probe 0 image logged at steps [0, 10, 19, 20, 30, 38]",
+    ],
 }
 
 
