@@ -345,7 +345,7 @@ def test_shorter_keeps_the_aspect_ratio_of_a_real_photo(cat_path: Path) -> None:
             "mean must have one value for all channels or one per channel (3), got 2",
         ),
         (
-            {"channels": 1, "std": (0.2, 0.2, 0.2)},
+            {"channels": 1, "mean": (0.5,), "std": (0.2, 0.2, 0.2)},
             "std must have one value for all channels or one per channel (1), got 3",
         ),
         ({"channels": 4}, "channels must be 3 (RGB) or 1 (grey), not 4"),
