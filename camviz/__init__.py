@@ -45,6 +45,7 @@ _EXPORTS = {
     "RowTarget": "camviz.core.targets:RowTarget",
     "Similarity": "camviz.core.similarity:Similarity",
     "TopK": "camviz.core.targets:TopK",
+    "Tracker": "camviz.training.tracker:Tracker",
     "ZeroMapWarning": "camviz.core.errors:ZeroMapWarning",
     "capture": "camviz.core.hooks:capture",
     "channel_grid": "camviz.io.render:channel_grid",
@@ -149,6 +150,7 @@ if TYPE_CHECKING:
     from camviz.pipeline.dataset import ImageResult as ImageResult
     from camviz.pipeline.dataset import explain_dataset as explain_dataset
     from camviz.pipeline.job import explain_files as explain_files
+    from camviz.training.tracker import Tracker as Tracker
 
     # Type checkers do not evaluate the __all__ above; `X as X` re-exports a name, and an
     # export imported under another name is re-exported by listing it here.

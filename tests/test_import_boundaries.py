@@ -20,6 +20,8 @@ ALLOWED = {
     "debug": {"core", "io", "debug"},
     "pipeline": {"core", "cams", "io", "debug", "pipeline"},
     "evaluation": {"core", "cams", "io", "debug", "evaluation"},
+    "training": {"core", "cams", "io", "pipeline", "evaluation", "training"},
+    "integrations": {"core", "cams", "training", "integrations"},
     "cli": {"core", "cams", "io", "debug", "pipeline", "evaluation", "cli"},
 }
 
