@@ -108,7 +108,7 @@ from camviz.io.pictures import (
     panel_image,
 )
 from camviz.io.video import frame_rate
-from camviz.pipeline import distributed, lock, manifest
+from camviz.pipeline import distributed, lock, manifest, merging
 from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
 from camviz.pipeline.encoders import existing_outputs, save_heatmap, save_jpeg
 from camviz.pipeline.encoders import save_png as _save_png
@@ -288,7 +288,7 @@ def _run(
 ) -> None:
     """The job, once the folder is held: resume, explain what is left, merge, finish."""
     manifest.check_settings(out, recorded)
-    done = manifest.finished(out, manifest.read_rows(out))
+    done = manifest.done_keys(out)
     if context.is_main:
         manifest.remove_temporaries(out)
     todo = [index for index, item in enumerate(items) if item.key not in done]
@@ -566,13 +566,10 @@ def _finish(
 ) -> None:
     """Merge the rows, write the overlay videos and the complete ``manifest.json``."""
     previous = manifest.read_summary(out) or {}
-    rows, others, skipped = manifest.merge(out, [item.key for item in items])
+    merged = merging.merge(out, [item.key for item in items], manifest.summary_files(previous))
     stride = settings.get("stride")
-    videos = write_videos(out, items, rows, every, stride) if settings["overlay"] else []
-    earlier = manifest.earlier_files(previous, others)
-    manifest.write_summary(
-        out, manifest.summary(out, settings, rows, earlier, videos, already_done, skipped)
-    )
+    videos = write_videos(out, items, merged.overlays, every, stride) if settings["overlay"] else []
+    manifest.write_summary(out, manifest.summary(out, settings, merged, videos, already_done))
 
 
 def check_out_dir(out: Path) -> None:

@@ -141,7 +141,11 @@ def results_of(
     heatmaps = explanation.heatmaps.detach().cpu()
     finite = _finite_per_sample(logits, explanation.scores, heatmaps, len(samples))
     results = []
+    reasons = explanation.reasons or [None] * len(samples)
     for position, sample in enumerate(samples):
+        if reasons[position] is not None:  # chosen in the pass: nothing to explain
+            results.append(nothing(sample, reasons[position], items, share))
+            continue
         if not finite[position]:
             results.append(failed(sample, _NOT_FINITE, items))
             continue
