@@ -39,6 +39,18 @@ class Prediction:
     probability: float | None
     box: list[float] | None = None
 
+    def fields(self) -> dict[str, Any]:
+        """The prediction as a manifest row shows it (a box rounded to hundredths)."""
+        entry: dict[str, Any] = {
+            "id": self.id,
+            "name": self.name,
+            "score": self.score,
+            "probability": self.probability,
+        }
+        if self.box is not None:
+            entry["box"] = [round(value, 2) for value in self.box]
+        return entry
+
 
 @dataclass
 class ImageResult:

@@ -33,6 +33,7 @@ from camviz.core.errors import CamvizError
 from camviz.core.modelstate import Attributes, changed
 from camviz.core.targets import Region, Target, as_logits
 from camviz.io.models import DEFAULT_CLIP_LEN, LoadedModel, Task, with_input_size
+from camviz.io.volumes import is_volume
 from camviz.pipeline.inputs import Item
 
 #: The class name torchvision's segmentation and detection weights give the background.
@@ -259,18 +260,30 @@ def clip_spec(
 def fit_task(items: list[Item], task: Task, model_name: str) -> list[Item]:
     """``items``, with a reason on each input the model's task cannot take.
 
-    A video model takes clips, not still images; detectors and segmentation models take
+    A video model takes clips, not still images (a NIfTI volume is no clip: it is explained
+    as a volume); a volume model takes NIfTI volumes only; detectors and segmentation models take
     still images, not videos (a video's frames become one item for the whole video, so it
     is listed once).
     """
-    if task == "video":
+    if task == "video":  # a NIfTI scan is a volume, never a clip
         return [
             replace(
                 item,
                 reason=f"{item.path} is a still image; {model_name} is a video model, "
                 "which explains clips of videos (.mp4, .avi, ...): pass videos",
             )
-            if item.frame is None and item.reason is None
+            if item.frame is None and item.reason is None and not is_volume(item.path)
+            else item
+            for item in items
+        ]
+    if task == "volume":
+        return [
+            replace(
+                item,
+                reason=f"{item.path} is no NIfTI volume; {model_name} is a volume model, "
+                "which explains 3-D scans (.nii, .nii.gz): pass those",
+            )
+            if item.reason is None and not is_volume(item.path)
             else item
             for item in items
         ]
