@@ -1,0 +1,246 @@
+"""camviz on models of other libraries: Hugging Face transformers, Ultralytics YOLO, MONAI.
+
+Every model is built from a tiny config with random weights (:mod:`tests.thirdparty`), and
+each map is checked against a Grad-CAM written out by hand with ``torch.autograd`` at the
+same layer (raw maps: ``relu=False, normalize=False``), with the layout of the layer's output
+written out by hand too (which tokens are patches, on which grid).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import thirdparty as tp
+import torch
+from torch import nn
+
+import camviz
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _yolo_prediction(output: Any) -> torch.Tensor:
+    """Ultralytics' ``(N, 4 + classes [+ mask coefficients], anchors)`` predictions."""
+    first = output[0]
+    return first[0] if isinstance(first, (tuple, list)) else first
+
+
+def _best_detection(classes: int) -> tp.Score:
+    """The class score of the best-scoring anchor, chosen on the detached output: the
+    object that ``Detection(0)`` explains when every anchor passes the threshold."""
+
+    def score(output: Any) -> torch.Tensor:
+        scores = _yolo_prediction(output)[:, 4 : 4 + classes]
+        best = scores.detach().amax(1)
+        anchors = best.argmax(1)
+        labels = scores.detach()[torch.arange(len(anchors)), :, anchors].argmax(1)
+        return scores[torch.arange(len(anchors)), labels, anchors]
+
+    return score
+
+
+def _logits(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def _region(class_id: int, mask: torch.Tensor) -> tp.Score:
+    return lambda output: (_logits(output)[:, class_id] * mask).flatten(1).sum(1)
+
+
+def _segformer_mask() -> torch.Tensor:
+    mask = torch.zeros(8, 8, dtype=torch.bool)
+    mask[2:5, 3:7] = True
+    return mask
+
+
+def _unet_mask() -> torch.Tensor:
+    mask = torch.zeros(16, 16, 16, dtype=torch.bool)
+    mask[4:9, 4:12, 2:8] = True
+    return mask
+
+
+@dataclass(frozen=True)
+class Case:
+    """One family: its model and inputs, the layer the test explains, the explained score
+    written by hand, and the layer's output as ``(N, C, *grid)`` written by hand."""
+
+    model: Callable[[], nn.Module]
+    inputs: Callable[[], Any]
+    layer: str
+    score: tp.Score
+    target: Any
+    grid: tp.Grid = tp.channels_first
+    options: dict[str, Any] = field(default_factory=dict)
+    at_input: bool = False
+
+
+_CLIP_OPTIONS = {"output_key": "logits_per_image", "map_input": "pixel_values"}
+_YOLO_TARGET = camviz.Detection(
+    0, adapter=camviz.DenseDetections(channels_last=False, score_threshold=0.0)
+)
+
+CASES = {
+    "hf_vit": Case(
+        tp.hf_vit,
+        lambda: tp.images(32, 32, count=2),
+        "vit.layers.1.layernorm_before",
+        tp.class_logit(1),
+        1,
+        tp.tokens(1, (4, 4)),
+    ),
+    "hf_deit": Case(
+        tp.hf_deit,
+        lambda: tp.images(32, 32),
+        "deit.layers.1.layernorm_before",
+        tp.class_logit(1),
+        1,
+        tp.tokens(2, (4, 4)),
+    ),
+    "hf_dinov2_registers": Case(
+        tp.hf_dinov2_registers,
+        lambda: tp.images(32, 48),
+        "dinov2_with_registers.encoder.layer.1.norm1",
+        tp.class_logit(1),
+        1,
+        tp.tokens(5, (4, 6)),
+    ),
+    "hf_clip": Case(
+        tp.hf_clip,
+        tp.text_and_images,
+        "vision_model.encoder.layers.1.layer_norm1",
+        tp.class_logit(1, "logits_per_image"),
+        1,
+        tp.tokens(1, (4, 4)),
+        _CLIP_OPTIONS,
+    ),
+    "hf_siglip": Case(
+        tp.hf_siglip,
+        tp.text_and_images,
+        "vision_model.post_layernorm",
+        tp.class_logit(1, "logits_per_image"),
+        1,
+        tp.tokens(0, (4, 4)),
+        _CLIP_OPTIONS,
+    ),
+    "hf_swin": Case(
+        tp.hf_swin,
+        lambda: tp.images(32, 32),
+        "swin.layernorm",
+        tp.class_logit(1),
+        1,
+        tp.tokens(0, (4, 4)),
+    ),
+    "hf_convnext": Case(
+        tp.hf_convnext,
+        lambda: tp.images(64, 96),
+        "convnext.encoder.stages.3",
+        tp.class_logit(1),
+        1,
+    ),
+    "hf_segformer": Case(
+        tp.hf_segformer,
+        lambda: tp.images(32, 32),
+        "segformer.stages.1",
+        _region(1, _segformer_mask()),
+        camviz.Region(1, _segformer_mask()),
+    ),
+    "monai_densenet121_3d": Case(
+        tp.monai_densenet,
+        lambda: tp.images(64, 64, 64, channels=1),
+        "class_layers.relu",
+        lambda output: output[:, 1],
+        1,
+    ),
+    "monai_vit_3d": Case(
+        tp.monai_vit,
+        lambda: tp.images(16, 16, 16, channels=1),
+        "blocks.1.norm1",
+        lambda output: output[0][:, 1],
+        1,
+        tp.tokens(1, (2, 2, 2)),
+    ),
+    **{
+        f"{config}_detect": Case(
+            functools.partial(tp.yolo, config),
+            lambda: tp.images(64, 64),
+            "model.22" if config == "yolov8n" else "model.23",
+            _best_detection(3),
+            _YOLO_TARGET,
+            at_input=True,
+        )
+        for config in tp.YOLO_CONFIGS
+    },
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request: pytest.FixtureRequest) -> Case:
+    return CASES[request.param]
+
+
+def _hand(case: Case, model: nn.Module, inputs: Any) -> list[torch.Tensor]:
+    return tp.hand_gradcam(model, inputs, case.layer, case.score, case.grid, at_input=case.at_input)
+
+
+def test_gradcam_at_a_named_layer_equals_the_hand_gradcam(case: Case) -> None:
+    model, inputs = case.model(), case.inputs()
+    layer = f"{case.layer}:input" if case.at_input else case.layer
+    result = camviz.explain(
+        model,
+        inputs,
+        layer=layer,
+        target=case.target,
+        relu=False,
+        normalize=False,
+        **case.options,
+    )
+    hand = _hand(case, model, inputs)
+    # Levels of a head's input: each detection uses one level, so compare them together.
+    tp.assert_close_to_hand(
+        torch.cat([maps.flatten() for maps in result.maps_by_layer.values()]),
+        torch.cat([maps.flatten() for maps in hand]),
+    )
+
+
+@pytest.mark.peers
+def test_gradcam_agrees_with_monai_gradcam_on_a_3d_densenet() -> None:
+    from monai.visualize import GradCAM
+
+    case = CASES["monai_densenet121_3d"]
+    model, volumes = case.model(), case.inputs()
+    theirs = GradCAM(nn_module=model, target_layers=case.layer)(volumes, class_idx=1)
+    model.zero_grad(set_to_none=True)  # MONAI's backward pass fills the parameters' .grad
+    ours = camviz.explain(model, volumes, layer=case.layer, target=1)
+    # MONAI's default normaliser maps (min, max) to (1, 0), for its colour maps.
+    assert tp.correlation(ours.heatmaps, 1 - theirs[:, 0]) >= 0.99
+
+
+class _Logits(nn.Module):
+    """A Hugging Face classifier that returns its logits, as pytorch-grad-cam needs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=pixels).logits
+
+
+@pytest.mark.peers
+def test_gradcam_agrees_with_pytorch_grad_cam_and_its_reshape_transform_on_hf_vit() -> None:
+    from pytorch_grad_cam import GradCAM
+    from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
+
+    case = CASES["hf_vit"]
+    model, pixels = case.model(), case.inputs()
+    wrapped = _Logits(model)
+    layer = model.get_submodule(case.layer)
+    with GradCAM(model=wrapped, target_layers=[layer], reshape_transform=case.grid) as peer:
+        theirs = peer(pixels, targets=[ClassifierOutputTarget(1)] * len(pixels))
+    model.zero_grad(set_to_none=True)
+    ours = camviz.explain(model, pixels, layer=case.layer, target=1)
+    assert tp.correlation(ours.heatmaps, torch.from_numpy(theirs)) >= 0.99
