@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import camviz
+from camviz.core.layers import default_target_layer
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -244,3 +245,14 @@ def test_gradcam_agrees_with_pytorch_grad_cam_and_its_reshape_transform_on_hf_vi
     model.zero_grad(set_to_none=True)
     ours = camviz.explain(model, pixels, layer=case.layer, target=1)
     assert tp.correlation(ours.heatmaps, torch.from_numpy(theirs)) >= 0.99
+
+
+@pytest.mark.parametrize("config", tp.YOLO_CONFIGS)
+def test_yolo_still_backpropagates_after_camviz_picked_its_layer(config: str) -> None:
+    model = tp.yolo(config)
+    images = tp.images(96, 64)  # a size no other test uses: the head caches its anchors here
+    default_target_layer(model, images)  # the dry run
+    images.requires_grad_()
+    with torch.enable_grad():
+        (gradient,) = torch.autograd.grad(model(images)[0].sum(), images)
+    assert gradient.abs().sum() > 0

@@ -31,7 +31,7 @@ from camviz.core.inputs import as_batch
 from camviz.core.layerkinds import module_kind
 from camviz.core.layers import default_target_layer, resolve_layers
 from camviz.core.maps import normalize
-from camviz.core.modelstate import eval_mode
+from camviz.core.modelstate import eval_mode, no_grad
 from camviz.core.placement import recording
 from camviz.core.targets import as_logits
 
@@ -136,7 +136,7 @@ def factorize(
         if len(resolved) != 1:
             raise CamvizError(f"factorize takes one layer; {layer!r} matches {len(resolved)}")
         layer = resolved[0]
-        with capture(model, layer) as seen, recording(model) as placed, torch.no_grad():
+        with capture(model, layer) as seen, recording(model) as placed, no_grad():
             output = model(inputs)
     raw = seen.activations[layer]
     if not isinstance(raw, torch.Tensor):  # an FPN's levels: the default of a detector

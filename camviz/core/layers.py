@@ -23,7 +23,7 @@ from torch import nn
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import Inputs, as_inputs
 from camviz.core.layerkinds import CallLog, record_calls
-from camviz.core.modelstate import HookSet, eval_mode
+from camviz.core.modelstate import HookSet, eval_mode, no_grad
 from camviz.core.precision import Precision, model_precision
 
 __all__ = [
@@ -212,7 +212,7 @@ def _dry_run(model: nn.Module, batch: Inputs) -> _DryRun:
             skipped.add(name)  # a container that ends with a pool (or an in-place op after it)
 
     first = torch.zeros(1, dtype=torch.long, device=batch.main.device)
-    with HookSet() as hooks, record_calls(model) as log, torch.inference_mode(), eval_mode(model):
+    with HookSet() as hooks, record_calls(model) as log, no_grad(), eval_mode(model):
         for name, module in model.named_modules():
             if _is_attention(module):
                 hooks.add(module.register_forward_pre_hook(before_attention))
@@ -359,7 +359,7 @@ def layer_shapes(
     with (
         model_precision(model, precision, channels_last),
         HookSet() as hooks,
-        torch.inference_mode(),
+        no_grad(),
         eval_mode(model),
     ):
         for name, module in model.named_modules():

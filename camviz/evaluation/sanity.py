@@ -42,7 +42,7 @@ from camviz.core.errors import CamvizError
 from camviz.core.hooks import tensors_in
 from camviz.core.inputs import as_batch
 from camviz.core.layers import Layer, resolve_layers
-from camviz.core.modelstate import eval_mode
+from camviz.core.modelstate import eval_mode, no_grad
 from camviz.core.targets import Target, TopK
 
 __all__ = [
@@ -257,7 +257,7 @@ def _fixed_target(target: Target, model: nn.Module, inputs: torch.Tensor) -> Tar
         return target
     from camviz.core.targets import as_logits, class_ids
 
-    with eval_mode(model), torch.inference_mode():
+    with eval_mode(model), no_grad():
         logits = as_logits(model(inputs))
     return class_ids(target, logits).clone()
 
@@ -311,7 +311,7 @@ class _FirstUse(CallMode):
 def _first_use(model: nn.Module, inputs: torch.Tensor) -> dict[int, int]:
     """``{id(parameter): rank of its first use}`` in one forward pass of one sample."""
     recorder = _FirstUse({id(parameter) for parameter in model.parameters()})
-    with eval_mode(model), torch.inference_mode(), recorder:
+    with eval_mode(model), no_grad(), recorder:
         model(inputs[:1])
     return recorder.order
 

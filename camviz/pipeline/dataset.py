@@ -41,7 +41,7 @@ from camviz.cams.engine import explain
 from camviz.core.errors import CamvizError, NonFiniteError, ZeroMapWarning, first_line
 from camviz.core.inputs import model_device
 from camviz.core.layers import Layer
-from camviz.core.modelstate import eval_mode
+from camviz.core.modelstate import eval_mode, no_grad
 from camviz.core.precision import at_least_fp32, check_precision, forward_precision
 from camviz.core.targets import Target, as_logits, class_name
 from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
@@ -549,7 +549,7 @@ class _BatchExplainer:
         dtype = check_precision(self.options.get("precision", "fp32"), self.device, used=used)
         channels_last = self.options.get("channels_last", False)
         with (
-            torch.no_grad(),
+            no_grad(),
             eval_mode(self.network),
             forward_precision(self.network, dtype, channels_last, self.device),
         ):
