@@ -43,6 +43,7 @@ _EXPORTS = {
     "Preprocess": "camviz.io.images:Preprocess",
     "Region": "camviz.core.targets:Region",
     "RowTarget": "camviz.core.targets:RowTarget",
+    "SetPredictions": "camviz.core.setpredictions:SetPredictions",
     "Similarity": "camviz.core.similarity:Similarity",
     "TopK": "camviz.core.targets:TopK",
     "ZeroMapWarning": "camviz.core.errors:ZeroMapWarning",
@@ -117,6 +118,7 @@ if TYPE_CHECKING:
     from camviz.core.errors import ZeroMapWarning as ZeroMapWarning
     from camviz.core.hooks import capture as capture
     from camviz.core.hooks import edit as edit
+    from camviz.core.setpredictions import SetPredictions as SetPredictions
     from camviz.core.similarity import Similarity as Similarity
     from camviz.core.targets import Contrast as Contrast
     from camviz.core.targets import Nearest as Nearest

@@ -48,6 +48,16 @@ def _logits(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
+def _best_query(output: Any) -> torch.Tensor:
+    """The best class probability of the best query of a DETR-style output (softmax over the
+    classes and "no object", which is then dropped): what ``Detection(0)`` explains."""
+    probabilities = output.logits.softmax(-1)[..., :-1]
+    best = probabilities.detach().amax(-1)
+    queries = best.argmax(1)
+    rows = torch.arange(len(queries))
+    return probabilities[rows, queries].amax(-1)
+
+
 def _region(class_id: int, mask: torch.Tensor) -> tp.Score:
     return lambda output: (_logits(output)[:, class_id] * mask).flatten(1).sum(1)
 
@@ -79,10 +89,8 @@ class Case:
     at_input: bool = False
 
 
-_CLIP_OPTIONS = {"output_key": "logits_per_image", "map_input": "pixel_values"}
-_YOLO_TARGET = camviz.Detection(
-    0, adapter=camviz.DenseDetections(channels_last=False, score_threshold=0.0)
-)
+_CLIP_OPTIONS = {"output_key": "logits_per_image"}
+_YOLO_TARGET = camviz.Detection(0, adapter=camviz.DenseDetections(score_threshold=0.0))
 
 CASES = {
     "hf_vit": Case(
@@ -164,16 +172,25 @@ CASES = {
         1,
         tp.tokens(1, (2, 2, 2)),
     ),
+    "hf_detr": Case(
+        tp.hf_detr,
+        lambda: {"pixel_values": tp.images(64, 64)},
+        "model.input_projection",
+        _best_query,
+        camviz.Detection(0, adapter=camviz.SetPredictions()),
+    ),
     **{
-        f"{config}_detect": Case(
-            functools.partial(tp.yolo, config),
-            lambda: tp.images(64, 64),
+        f"{config}_{task}": Case(
+            functools.partial(tp.yolo, config, task),
+            # 252 anchors at 128 x 96 px: at least 4 times the 4 + 3 + 32 rows of a -seg head.
+            functools.partial(tp.images, *((64, 64) if task == "detect" else (128, 96))),
             "model.22" if config == "yolov8n" else "model.23",
             _best_detection(3),
             _YOLO_TARGET,
             at_input=True,
         )
         for config in tp.YOLO_CONFIGS
+        for task in ("detect", "segment")
     },
 }
 

@@ -281,11 +281,17 @@ class DenseDetections:
 
     YOLO-style models output ``(N, A, 4 + C)`` (or ``(N, A, 5 + C)`` with an objectness
     score, YOLOv5's layout): for each of ``A`` anchors a box and ``C`` class scores.
-    Ultralytics' YOLOv8 and later output ``(N, 4 + C, A)``: pass ``channels_last=False``.
-    This adapter turns them into the detections a detector's post-processing gives, so
-    that :class:`Detection` can pick one: per image, the anchors whose best class score
-    (times the objectness, if any) reaches ``score_threshold``, then class-wise
-    non-maximum suppression at ``iou_threshold``, best first, at most ``max_detections``.
+    Ultralytics' YOLOv8 and later output ``(N, 4 + C, A)``, and their ``-seg`` models
+    ``(N, 4 + C + K, A)`` with ``K`` mask coefficients, beside the ``K`` mask prototypes.
+    Which axis holds the anchors is told from the shape: the one at least 4 times longer
+    than the other (an image has thousands of anchors and tens of classes); when neither
+    is, ``channels_last`` must say. The mask coefficients are dropped: ``K`` is the number
+    of prototypes when the output holds them (Ultralytics' ``Segment`` head), or
+    ``mask_coefficients``. This adapter turns them into the detections a detector's
+    post-processing gives, so that :class:`Detection` can pick one: per image, the anchors
+    whose best class score (times the objectness, if any) reaches ``score_threshold``, then
+    class-wise non-maximum suppression at ``iou_threshold``, best first, at most
+    ``max_detections``.
     Scores and boxes stay in the autograd graph (only the choice of anchors is not), so
     the explained score is differentiable.
 
@@ -300,7 +306,10 @@ class DenseDetections:
         score_threshold: The least score of a detection.
         iou_threshold: The IoU above which NMS drops the weaker of two boxes of a class.
         max_detections: The most detections kept per image.
-        channels_last: ``True`` for ``(N, A, 4 + C)``, ``False`` for ``(N, 4 + C, A)``.
+        channels_last: ``True`` for ``(N, A, 4 + C)``, ``False`` for ``(N, 4 + C, A)``,
+            ``None`` (the default) to tell it from the shape.
+        mask_coefficients: The ``K`` trailing columns that are mask coefficients, not
+            classes; ``None``: the number of mask prototypes in the output, if any, else 0.
         activation: ``"sigmoid"`` or ``"softmax"`` if the class (and objectness) columns
             are logits; ``None`` if they are scores already.
     """
@@ -310,10 +319,18 @@ class DenseDetections:
     score_threshold: float = 0.25
     iou_threshold: float = 0.45
     max_detections: int = 100
-    channels_last: bool = True
+    channels_last: bool | None = None
     activation: Literal["sigmoid", "softmax"] | None = None
+    mask_coefficients: int | None = None
 
     def __post_init__(self) -> None:
+        masks = self.mask_coefficients
+        if masks is not None and (
+            isinstance(masks, bool) or not isinstance(masks, int) or masks < 0
+        ):
+            raise CamvizError(
+                f"DenseDetections.mask_coefficients must be an int >= 0 or None, not {masks!r}"
+            )
         if self.box_format not in ("cxcywh", "xyxy"):
             raise CamvizError(
                 f"DenseDetections.box_format must be 'cxcywh' or 'xyxy', not {self.box_format!r}"
@@ -325,7 +342,7 @@ class DenseDetections:
             )
 
     def __call__(self, output: Any) -> list[dict[str, torch.Tensor]]:
-        predictions = output[0] if isinstance(output, (tuple, list)) else output
+        predictions, prototypes = _dense_predictions(output)
         first = 5 if self.objectness else 4
         if not isinstance(predictions, torch.Tensor) or predictions.dim() != 3:
             raise CamvizError(
@@ -336,15 +353,35 @@ class DenseDetections:
                     else type(predictions).__name__
                 )
             )
-        if not self.channels_last:
+        if not self._anchors_first(predictions.shape):
             predictions = predictions.transpose(1, 2)
-        if predictions.shape[-1] <= first:
+        masks = self.mask_coefficients
+        if masks is None:
+            masks = 0 if prototypes is None else prototypes.shape[1]
+        if predictions.shape[-1] <= first + masks:
             raise CamvizError(
-                f"DenseDetections expects (N, anchors, {first} + classes) predictions, got "
-                f"{tuple(predictions.shape)}; for (N, {first} + classes, anchors) pass "
-                "channels_last=False"
+                f"DenseDetections expects (N, anchors, {first} + classes"
+                + (f" + {masks} mask coefficients" if masks else "")
+                + f") predictions, got {tuple(predictions.shape)}; for (N, {first} + classes, "
+                "anchors) pass channels_last=False"
             )
+        if masks:
+            predictions = predictions[..., :-masks]
         return [self._image(rows, first) for rows in predictions]
+
+    def _anchors_first(self, shape: Sequence[int]) -> bool:
+        """Whether axis 1 of ``(N, a, b)`` predictions holds the anchors (``channels_last``,
+        else the longer axis, when it is at least 4 times the other)."""
+        if self.channels_last is not None:
+            return self.channels_last
+        _, first, second = shape
+        if first >= 4 * second or second >= 4 * first:
+            return first > second
+        raise CamvizError(
+            f"DenseDetections cannot tell which axis of the {tuple(shape)} predictions holds "
+            "the anchors (neither is 4 times the other); pass channels_last=True for (N, "
+            "anchors, 4 + classes) or channels_last=False for (N, 4 + classes, anchors)"
+        )
 
     def _image(self, rows: torch.Tensor, first: int) -> dict[str, torch.Tensor]:
         classes = self._activated(rows[:, first:])
@@ -369,6 +406,23 @@ class DenseDetections:
         if self.activation == "softmax":
             return scores.softmax(dim=-1)
         return scores
+
+
+def _dense_predictions(output: Any) -> tuple[Any, torch.Tensor | None]:
+    """A dense head's raw predictions in its output (the first element of a tuple or list),
+    and its mask prototypes ``(N, K, h, w)`` if the predictions come with them (Ultralytics'
+    ``Segment`` head gives ``[predictions, prototypes]`` first)."""
+    predictions = output[0] if isinstance(output, (tuple, list)) else output
+    if isinstance(predictions, (tuple, list)) and len(predictions) == 2:
+        values, prototypes = predictions
+        if (
+            isinstance(values, torch.Tensor)
+            and isinstance(prototypes, torch.Tensor)
+            and values.dim() == 3
+            and prototypes.dim() == 4
+        ):
+            return values, prototypes
+    return predictions, None
 
 
 def is_detection_output(output: Any) -> bool:
