@@ -148,3 +148,76 @@ def test_the_map_input_of_a_dict_with_input_ids_first_is_its_image() -> None:
     torch.testing.assert_close(found.heatmaps, named.heatmaps)
     with pytest.raises(CamvizError, match="map_input="):
         camviz.explain(model, {**inputs, "pixel_mask": inputs["pixel_values"]}, layer="conv")
+
+
+def test_a_followed_set_prediction_is_found_again_in_a_rescaled_input() -> None:
+    from camviz.core.inputs import as_inputs
+    from camviz.core.targets import Change, Context
+
+    output = _set_output()
+    model = nn.Identity()
+    target = camviz.Detection(0, adapter=camviz.SetPredictions()).prepare(
+        model, as_inputs(torch.zeros(1, 3, 32, 48), model)
+    )
+    plain = target.resolve(output, Context(batch_size=1))
+    (score,) = target.follow(Change(plain, factors=(2.0, 2.0))).resolve(output, Context()).scores
+    # Relative boxes in an input twice the size: the object is the same query, found by IoU.
+    torch.testing.assert_close(score(output), plain.scores[0](output))
+    assert float(score(output)) > 0
+
+
+def _segmenter(classes: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, classes, 4, 4))
+
+
+def test_a_region_mask_may_be_given_at_the_input_size() -> None:
+    model = _segmenter().eval()  # (N, 3, 32, 32) -> (N, 3, 8, 8) logits
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    weights = torch.rand(8, 8, generator=torch.Generator().manual_seed(3))
+    at_input = weights.repeat_interleave(4, 0).repeat_interleave(4, 1)  # 4 x 4 blocks
+    mask = weights > 0.5
+    for small, large in [(weights, at_input), (mask, at_input > 0.5)]:
+        # Bilinear (and nearest) resizing of 4 x 4 blocks by 4 gives the blocks back exactly.
+        expected = camviz.explain(model, images, layer="1", target=camviz.Region(1, small))
+        given = camviz.explain(model, images, layer="1", target=camviz.Region(1, large))
+        torch.testing.assert_close(given.scores, expected.scores)
+        torch.testing.assert_close(given.heatmaps, expected.heatmaps)
+    with pytest.raises(CamvizError, match=r"at the output's grid or the input's size"):
+        camviz.explain(model, images, layer="1", target=camviz.Region(1, torch.ones(16, 16)))
+
+
+def test_a_region_of_a_volume_sums_the_logits_over_its_voxels() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv3d(4, 2, 1)).eval()
+    volumes = torch.randn(2, 1, 6, 8, 8, generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(2, 6, 8, 8, dtype=torch.bool)
+    mask[0, 1:3, 2:5, 2:6] = True
+    mask[1, 3:, :4, 5:] = True
+    result = camviz.explain(model, volumes, layer="1", target=camviz.Region(1, mask))
+    with torch.no_grad():
+        logits = model(volumes)
+    torch.testing.assert_close(result.scores, (logits[:, 1] * mask).sum((1, 2, 3)))
+
+
+def test_a_pair_of_probabilities_and_logits_is_read_as_the_logits() -> None:
+    from camviz.core.targets import as_logits
+
+    logits = torch.randn(2, 5, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(as_logits((logits.softmax(-1), logits)), logits)
+    other = torch.randn(2, 5)
+    torch.testing.assert_close(as_logits((other, logits)), other)  # not its softmax: first
+
+
+def test_similarity_finds_the_embedding_of_a_hugging_face_output() -> None:
+    embeds, pooled = torch.randn(2, 4), torch.randn(2, 6)
+    similarity = camviz.Similarity(torch.randn(4))
+    torch.testing.assert_close(
+        similarity.embedding({"image_embeds": embeds, "text_embeds": torch.randn(2, 4)}), embeds
+    )
+    torch.testing.assert_close(
+        similarity.embedding({"last_hidden_state": torch.randn(2, 3, 6), "pooler_output": pooled}),
+        pooled,
+    )
+    with pytest.raises(CamvizError, match="which one holds the embedding that the score"):
+        similarity.embedding({"a": embeds, "b": pooled})

@@ -89,6 +89,7 @@ class Case:
     at_input: bool = False
 
 
+_REFERENCE = torch.randn(16, generator=torch.Generator().manual_seed(5))
 _CLIP_OPTIONS = {"output_key": "logits_per_image"}
 _YOLO_TARGET = camviz.Detection(0, adapter=camviz.DenseDetections(score_threshold=0.0))
 
@@ -126,6 +127,14 @@ CASES = {
         tp.tokens(1, (4, 4)),
         _CLIP_OPTIONS,
     ),
+    "hf_clip_similarity": Case(
+        tp.hf_clip,
+        tp.text_and_images,
+        "vision_model.encoder.layers.1.layer_norm1",
+        lambda output: torch.cosine_similarity(output.image_embeds, _REFERENCE, dim=-1),
+        camviz.Similarity(_REFERENCE),  # found in the output's image_embeds
+        tp.tokens(1, (4, 4)),
+    ),
     "hf_siglip": Case(
         tp.hf_siglip,
         tp.text_and_images,
@@ -155,7 +164,8 @@ CASES = {
         lambda: tp.images(32, 32),
         "segformer.stages.1",
         _region(1, _segformer_mask()),
-        camviz.Region(1, _segformer_mask()),
+        # The mask at the input's 32 x 32 px, in 4 x 4 blocks: nearest gives the 8 x 8 back.
+        camviz.Region(1, _segformer_mask().repeat_interleave(4, 0).repeat_interleave(4, 1)),
     ),
     "monai_densenet121_3d": Case(
         tp.monai_densenet,
@@ -163,6 +173,13 @@ CASES = {
         "class_layers.relu",
         lambda output: output[:, 1],
         1,
+    ),
+    "monai_unet_3d": Case(
+        tp.monai_unet,
+        lambda: tp.images(16, 16, 16, channels=1),
+        "model.1.submodule",
+        _region(1, _unet_mask()),
+        camviz.Region(1, _unet_mask()),
     ),
     "monai_vit_3d": Case(
         tp.monai_vit,
@@ -191,6 +208,16 @@ CASES = {
         )
         for config in tp.YOLO_CONFIGS
         for task in ("detect", "segment")
+    },
+    **{
+        f"{config}_classify": Case(
+            functools.partial(tp.yolo, config, "classify"),
+            lambda: tp.images(64, 64),
+            "model.9.conv" if config == "yolov8n" else "model.10.conv",
+            lambda output: output[1][:, 1],  # (probabilities, logits): the logits
+            1,
+        )
+        for config in tp.YOLO_CONFIGS
     },
 }
 
@@ -273,3 +300,35 @@ def test_yolo_still_backpropagates_after_camviz_picked_its_layer(config: str) ->
     with torch.enable_grad():
         (gradient,) = torch.autograd.grad(model(images)[0].sum(), images)
     assert gradient.abs().sum() > 0
+
+
+def test_an_ultralytics_yolo_wrapper_is_explained_through_its_network() -> None:
+    from ultralytics import YOLO
+
+    wrapper = YOLO("yolov8n.yaml")  # built from the yaml: nothing is downloaded
+    wrapper.model = tp.yolo("yolov8n")
+    images = tp.images(64, 64)
+    layer = "model.22:input"
+    theirs = camviz.explain(wrapper.model, images, layer=layer, target=_YOLO_TARGET)
+    ours = camviz.explain(wrapper, images, layer=layer, target=_YOLO_TARGET)
+    torch.testing.assert_close(ours.heatmaps, theirs.heatmaps)
+    assert ours.heatmaps.abs().sum() > 0
+
+
+def test_detr_boxes_are_in_the_input_pixels() -> None:
+    model = tp.hf_detr()
+    pixels = tp.images(64, 96)
+    result = camviz.explain(
+        model,
+        {"pixel_values": pixels},
+        layer="model.input_projection",
+        target=camviz.Detection(0, adapter=camviz.SetPredictions()),
+    )
+    with torch.no_grad():
+        output = model(pixel_values=pixels)
+    best = output.logits.softmax(-1)[0, :, :-1].amax(-1).argmax()
+    cx, cy, w, h = output.pred_boxes[0, best].tolist()
+    expected = torch.tensor(
+        [[(cx - w / 2) * 96, (cy - h / 2) * 64, (cx + w / 2) * 96, (cy + h / 2) * 64]]
+    )
+    torch.testing.assert_close(result.boxes, expected)

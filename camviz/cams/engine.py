@@ -21,6 +21,7 @@ of the model run in parallel.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -123,9 +124,10 @@ def explain(
     """Explain a batch with a CAM method.
 
     Args:
-        model: Any ``nn.Module``; ``DataParallel``, ``DistributedDataParallel`` and
-            ``torch.compile`` wrappers are looked through (layer names are the inner
-            module's). Used in eval mode, and handed back exactly as it came.
+        model: Any ``nn.Module``; ``DataParallel``, ``DistributedDataParallel``,
+            ``torch.compile`` and Ultralytics ``YOLO(...)`` wrappers are looked through
+            (layer names are the inner module's). Used in eval mode, and handed back exactly
+            as it came.
         inputs: The preprocessed batch on the model's device: ``(N, C, L)``, ``(N, C, H, W)``
             or ``(N, C, D, H, W)`` (one ``(C, H, W)`` image for a 2-D image model), a tuple
             passed positionally or a dict passed as keywords (:mod:`camviz.core.inputs`); for
@@ -196,7 +198,9 @@ def explain(
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
-    """The model inside a ``DataParallel``/``DDP`` wrapper; models without hooks refused."""
+    """The model inside a ``DataParallel``/``DDP`` wrapper or an Ultralytics ``YOLO(...)``
+    (whose predictor runs a deep copy of its ``.model``, so hooks on the wrapper would never
+    fire); models without hooks refused."""
     if isinstance(model, torch.jit.ScriptModule):
         raise CamvizError(
             "a TorchScript model has no forward hooks, which camviz needs; explain the "
@@ -209,6 +213,16 @@ def _unwrapped(model: nn.Module) -> nn.Module:
         )
     while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         model = model.module
+    # Looked up, not imported: a model of that class means Ultralytics is imported already.
+    ultralytics = sys.modules.get("ultralytics.engine.model")
+    inner = getattr(model, "model", None)
+    if ultralytics is not None and isinstance(model, ultralytics.Model):
+        if not isinstance(inner, nn.Module):
+            raise CamvizError(
+                "this Ultralytics model holds no network yet (.model is not a module); load "
+                "weights or a yaml first, e.g. YOLO('yolov8n.yaml')"
+            )
+        return inner
     return model
 
 

@@ -23,15 +23,22 @@ of the same class whose box overlaps the plain pass's box most, with an IoU of a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torchvision.ops import batched_nms, box_convert, box_iou
 
 from camviz.core.errors import CamvizError
+from camviz.core.setpredictions import SetPredictions
 from camviz.core.targets.protocol import Change, Context, Resolved, TargetObject
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from camviz.core.inputs import Inputs
 
 #: A model's raw output -> one dict per image with ``boxes``, ``scores`` and ``labels``.
 Adapter = Callable[[Any], Sequence[Mapping[str, torch.Tensor]]]
@@ -88,6 +95,13 @@ class Detection(TargetObject):
             raise CamvizError(f"Detection.iou must be a number in [0, 1], not {self.iou!r}")
         if not 0 <= self.iou <= 1:
             raise CamvizError(f"Detection.iou must be in [0, 1], got {self.iou}")
+
+    def prepare(self, model: nn.Module, inputs: Inputs) -> Detection:
+        """This target with a :class:`~camviz.core.setpredictions.SetPredictions` adapter told
+        the map input's size (its boxes are relative to the image)."""
+        if isinstance(self.adapter, SetPredictions):
+            return dataclasses.replace(self, adapter=self.adapter.for_input(inputs.main.shape[2:]))
+        return self
 
     def resolve(self, output: Any, context: Context | None = None) -> Resolved:
         """The score function of each object (rank), the explained labels ``(N, K)`` and
@@ -146,17 +160,8 @@ class Detection(TargetObject):
         """The model output as one dict of ``boxes``, ``scores`` and ``labels`` per image."""
         return self._reader(output_key)(output)
 
-    def _reader(
-        self, output_key: str | int | None
-    ) -> Callable[[Any], list[Mapping[str, torch.Tensor]]]:
-        adapter = self.adapter
-
-        def read(output: Any) -> list[Mapping[str, torch.Tensor]]:
-            if output_key is not None:
-                output = output[output_key]
-            return _checked(adapter(output) if adapter is not None else output, adapter)
-
-        return read
+    def _reader(self, output_key: str | int | None) -> _Reader:
+        return _Reader(self.adapter, output_key)
 
     def _references(
         self, found: Sequence[Mapping[str, torch.Tensor]]
@@ -184,6 +189,30 @@ class Detection(TargetObject):
             )
         device = found[0]["boxes"].device if found else None
         return [b.to(device) for b in box], [lab.to(device) for lab in label]
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """A model output -> one dict of detections per image, through the adapter."""
+
+    adapter: Adapter | None
+    output_key: str | int | None
+
+    def __call__(self, output: Any) -> list[Mapping[str, torch.Tensor]]:
+        if self.output_key is not None:
+            output = output[self.output_key]
+        adapter = self.adapter
+        return _checked(adapter(output) if adapter is not None else output, adapter)
+
+    def rescaled(self, factors: Sequence[float]) -> _Reader:
+        """This reader for an input rescaled by ``factors``: a set-prediction adapter's
+        relative boxes are scaled to the rescaled input's pixels."""
+        adapter = self.adapter
+        if not isinstance(adapter, SetPredictions) or adapter.input_size is None:
+            return self
+        height, width = adapter.input_size
+        size = (round(height * factors[-2]), round(width * factors[-1]))
+        return _Reader(adapter.for_input(size), self.output_key)
 
 
 @dataclass(frozen=True, eq=False)
@@ -259,7 +288,7 @@ class DetectionScore:
             indices=None,
             iou=self.iou,
             with_box=self.with_box,
-            read=self.read,
+            read=self.read.rescaled(factors) if isinstance(self.read, _Reader) else self.read,
         )
 
 
