@@ -221,3 +221,43 @@ def test_similarity_finds_the_embedding_of_a_hugging_face_output() -> None:
     )
     with pytest.raises(CamvizError, match="which one holds the embedding that the score"):
         similarity.embedding({"a": embeds, "b": pooled})
+
+
+class PerImageDetections(nn.Module):
+    """A detector's eval output as torchvision gives it: one dict of boxes per image."""
+
+    def __init__(self, threshold: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 2, 3, padding=1)
+        self.threshold = threshold
+
+    def forward(self, images: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        scores = self.conv(images).sigmoid().mean((2, 3))  # (N, 2): one box per class
+        boxes = torch.tensor([[0.0, 0, 4, 4], [2, 2, 8, 8]])
+        return [
+            {
+                "boxes": boxes[row > self.threshold],
+                "scores": row[row > self.threshold],
+                "labels": torch.arange(2)[row > self.threshold],
+            }
+            for row in scores
+        ]
+
+
+def test_a_detector_without_a_detection_target_is_pointed_to_detection() -> None:
+    images = torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(CamvizError, match=r"detector .* target=camviz\.Detection\(0\)"):
+        camviz.explain(PerImageDetections(), images, layer="conv")
+    explained = camviz.explain(
+        PerImageDetections(), images, layer="conv", target=camviz.Detection(0)
+    )
+    assert explained.scores.shape == (1,)
+
+
+def test_an_image_without_a_detection_says_so_and_how_to_lower_the_threshold() -> None:
+    images = torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(CamvizError) as error:
+        camviz.explain(PerImageDetections(1.0), images, layer="conv", target=camviz.Detection(0))
+    message = str(error.value)
+    assert "image 0 has no detection to explain" in message and "score_threshold=" in message

@@ -430,6 +430,7 @@ def test_a_default_multi_level_layer_without_any_gradient_is_an_error():
         "all maps are zero: the explained score does not depend on the default layer "
         "'backbone[out]', 'backbone[aux]' at any location"
     )
+    assert "class token" not in str(error.value)  # feature maps: no transformer hint
     named = camviz.explain(
         model, inputs, layer="backbone", target=lambda out: out["out"].sum(dim=(1, 2, 3))
     )

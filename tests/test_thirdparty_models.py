@@ -332,3 +332,31 @@ def test_detr_boxes_are_in_the_input_pixels() -> None:
         [[(cx - w / 2) * 96, (cy - h / 2) * 64, (cx + w / 2) * 96, (cy + h / 2) * 64]]
     )
     torch.testing.assert_close(result.boxes, expected)
+
+
+def test_a_swin_stage_element_the_classifier_never_reads_is_named_in_the_warning() -> None:
+    model, pixels = tp.hf_swin(), tp.images(32, 32)
+    stage = "swin.encoder.layers.1"  # gives (hidden_states, reshaped_hidden_states, ...)
+    with pytest.warns(camviz.ZeroMapWarning) as caught:
+        unread = camviz.explain(model, pixels, layer=stage, target=1)
+    assert unread.layers == [f"{stage}[1]"]  # the one 4-D element
+    (message,) = [str(warning.message) for warning in caught]
+    assert "does not depend on" in message and f"try '{stage}[0]'" in message
+    assert "relu=False" not in message  # the signed map is zero too
+    read = camviz.explain(model, pixels, layer=f"{stage}[0]", target=1, relu=False, normalize=False)
+    (hand,) = tp.hand_gradcam(
+        model, pixels, stage, tp.class_logit(1), tp.tokens(0, (4, 4)), element=0
+    )
+    tp.assert_close_to_hand(read.layer_maps, hand)
+
+
+@pytest.mark.parametrize("name", ["hf_detr", "yolov8n_detect"])
+def test_a_detector_explained_as_a_classifier_is_pointed_to_detection(name: str) -> None:
+    case = CASES[name]
+    with pytest.raises(camviz.CamvizError, match=r"target=camviz\.Detection\(0") as error:
+        camviz.explain(
+            case.model(),
+            case.inputs(),
+            layer=case.layer if not case.at_input else f"{case.layer}:input",
+        )
+    assert "\n" not in str(error.value)

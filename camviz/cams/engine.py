@@ -193,7 +193,7 @@ def explain(
             augmentation = Augmentation(scales, finishing, cam.input_resolution)
             finished = augmentation.smoothed(passes, batch, chosen, recorded.resolved, finished)
     heatmaps = finishing.heatmaps(list(finished.on_input.values()), batch, _samples(recorded))
-    finishing.warn_of_empty_maps(cam.name, heatmaps, passes.layers)
+    finishing.warn_of_empty_maps(cam.name, heatmaps, passes.layers, _independent(recorded))
     return _explanation(cam, batch, recorded, raw, finished, finishing, heatmaps)
 
 
@@ -384,17 +384,31 @@ def _check_default_layer(
             ).gradients
         except CamvizError:  # no autograd path from the layer to the score
             gradients = {}
+    tokens = False
     for name, per_rank in gradients.items():
         activations = recorded.activations[name]
         layout = spot_layout(name, activations, batch.main, passes.model, passes.told.get(name))
         if any(bool(layout.to_spatial(values).any()) for values in per_rank):
             return  # the score depends on the layer: the maps say "no positive evidence"
+        tokens = tokens or layout.kind == "tokens"
     listed = ", ".join(repr(name) for name in names)
+    hint = (
+        " (a head that reads only a class token after it?); pass layer=NAME, e.g. the norm "
+        "before the last attention"
+        if tokens
+        else "; pass layer=NAME, a layer the score reads"
+    )
     raise CamvizError(
         f"all maps are zero: the explained score does not depend on the default layer {listed} "
-        "at any location (a head that reads only a class token after it?); pass layer=NAME, "
-        "e.g. the norm before the last attention (`camviz layers` lists them)"
+        f"at any location{hint} (`camviz layers` lists them)"
     )
+
+
+def _independent(recorded: LayerPass) -> bool:
+    """Whether the explained score does not depend on the target spots at all: every gradient
+    the pass took is exactly zero (``False`` when it took none)."""
+    gradients = [values for per_rank in recorded.gradients.values() for values in per_rank]
+    return bool(gradients) and not any(bool(values.any()) for values in gradients)
 
 
 def _check_finite(model: nn.Module, batch: Inputs, recorded: LayerPass) -> None:

@@ -503,11 +503,17 @@ def _by_index(
             f"Detection(index) takes an int or a non-empty list of ints, not {index!r}"
         )
     count = len(detections["scores"])
+    if not count:
+        raise CamvizError(
+            f"image {image} has no detection to explain: no score reaches the threshold of the "
+            "detector (box_score_thresh= of torchvision's) or of its adapter (score_threshold= "
+            "of DenseDetections and SetPredictions); lower it, or explain another image"
+        )
     for i in indices:
         if not 0 <= i < count:
-            have = f"detections 0..{count - 1}" if count else "no detection"
             raise CamvizError(
-                f"detection {i} does not exist: image {image} has {have}; pick an index "
+                f"detection {i} does not exist: image {image} has detections 0..{count - 1}; "
+                "pick an index "
                 "below that (or lower the detector's score threshold)"
             )
     return indices
