@@ -45,6 +45,7 @@ _EXPORTS = {
     "RowTarget": "camviz.core.targets:RowTarget",
     "SetPredictions": "camviz.core.setpredictions:SetPredictions",
     "Similarity": "camviz.core.similarity:Similarity",
+    "Tokens": "camviz.core.layouts:Tokens",
     "TopK": "camviz.core.targets:TopK",
     "ZeroMapWarning": "camviz.core.errors:ZeroMapWarning",
     "capture": "camviz.core.hooks:capture",
@@ -118,6 +119,7 @@ if TYPE_CHECKING:
     from camviz.core.errors import ZeroMapWarning as ZeroMapWarning
     from camviz.core.hooks import capture as capture
     from camviz.core.hooks import edit as edit
+    from camviz.core.layouts import Tokens as Tokens
     from camviz.core.setpredictions import SetPredictions as SetPredictions
     from camviz.core.similarity import Similarity as Similarity
     from camviz.core.targets import Contrast as Contrast

@@ -384,9 +384,10 @@ class TinyDetector(nn.Module):
 
 def test_the_generic_rule_runs_a_detector_on_the_first_image():
     """The dry run hands the model a 4-D batch of one image and reads list-of-dict outputs;
-    the last spatial layer is the score map (a user-built detector names its layer)."""
+    the last spatial layer is the score map, which is the output reshaped, so the default
+    is the layer before it (a user-built detector names its layer)."""
     model = TinyDetector().eval()
-    assert default_target_layer(model, torch.rand(3, 3, 8, 8)) == "scores"
+    assert default_target_layer(model, torch.rand(3, 3, 8, 8)) == "features"
     result = camviz.explain(
         model, torch.rand(3, 3, 8, 8), layer="features", target=top_scores, relu=False
     )

@@ -1,9 +1,10 @@
 """camviz on models of other libraries: Hugging Face transformers, Ultralytics YOLO, MONAI.
 
-Every model is built from a tiny config with random weights (:mod:`tests.thirdparty`), and
-each map is checked against a Grad-CAM written out by hand with ``torch.autograd`` at the
-same layer (raw maps: ``relu=False, normalize=False``), with the layout of the layer's output
-written out by hand too (which tokens are patches, on which grid).
+Every model is built from a tiny config with random weights (:mod:`tests.thirdparty`). For
+each family the test states the layer that ``layer=None`` must pick, and the map there is
+checked against a Grad-CAM written out by hand with ``torch.autograd`` at that layer (raw
+maps: ``relu=False, normalize=False``), with the layout of the layer's output written out by
+hand too (which tokens are patches, on which grid).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 from torch import nn
 
 import camviz
-from camviz.core.layers import default_target_layer
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -76,8 +76,9 @@ def _unet_mask() -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Case:
-    """One family: its model and inputs, the layer the test explains, the explained score
-    written by hand, and the layer's output as ``(N, C, *grid)`` written by hand."""
+    """One family: its model and inputs, its default layer (a spot at the layer's input for a
+    head that takes a list of levels: ``at_input``), the explained score written by hand, and
+    the layer's output as ``(N, C, *grid)`` written by hand."""
 
     model: Callable[[], nn.Module]
     inputs: Callable[[], Any]
@@ -113,7 +114,7 @@ CASES = {
     "hf_dinov2_registers": Case(
         tp.hf_dinov2_registers,
         lambda: tp.images(32, 48),
-        "dinov2_with_registers.encoder.layer.1.norm1",
+        "dinov2_with_registers.layernorm",  # its head reads the mean of the patch tokens too
         tp.class_logit(1),
         1,
         tp.tokens(5, (4, 6)),
@@ -162,10 +163,11 @@ CASES = {
     "hf_segformer": Case(
         tp.hf_segformer,
         lambda: tp.images(32, 32),
-        "segformer.stages.1",
+        "decode_head",  # at its input: the encoder's two levels
         _region(1, _segformer_mask()),
         # The mask at the input's 32 x 32 px, in 4 x 4 blocks: nearest gives the 8 x 8 back.
         camviz.Region(1, _segformer_mask().repeat_interleave(4, 0).repeat_interleave(4, 1)),
+        at_input=True,
     ),
     "monai_densenet121_3d": Case(
         tp.monai_densenet,
@@ -177,7 +179,7 @@ CASES = {
     "monai_unet_3d": Case(
         tp.monai_unet,
         lambda: tp.images(16, 16, 16, channels=1),
-        "model.1.submodule",
+        "model.1",  # the decoder's last map before the final up-convolution to the logits
         _region(1, _unet_mask()),
         camviz.Region(1, _unet_mask()),
     ),
@@ -192,9 +194,18 @@ CASES = {
     "hf_detr": Case(
         tp.hf_detr,
         lambda: {"pixel_values": tp.images(64, 64)},
-        "model.input_projection",
+        "model.encoder.layers.0",  # the flattened 8 x 8 map; the decoder's queries are none
         _best_query,
         camviz.Detection(0, adapter=camviz.SetPredictions()),
+        tp.tokens(0, (8, 8)),
+    ),
+    "hf_yolos": Case(
+        tp.hf_yolos,
+        lambda: {"pixel_values": tp.images(32, 48)},
+        "vit.encoder.layer.1.layernorm_before",
+        _best_query,
+        camviz.Detection(0, adapter=camviz.SetPredictions()),
+        tp.tokens(1, (4, 6)),  # a class token, 4 x 6 patches, then 5 detection tokens
     ),
     **{
         f"{config}_{task}": Case(
@@ -231,18 +242,17 @@ def _hand(case: Case, model: nn.Module, inputs: Any) -> list[torch.Tensor]:
     return tp.hand_gradcam(model, inputs, case.layer, case.score, case.grid, at_input=case.at_input)
 
 
-def test_gradcam_at_a_named_layer_equals_the_hand_gradcam(case: Case) -> None:
+def test_the_default_layer_is_the_stated_one_and_its_map_the_hand_gradcam(case: Case) -> None:
     model, inputs = case.model(), case.inputs()
-    layer = f"{case.layer}:input" if case.at_input else case.layer
     result = camviz.explain(
-        model,
-        inputs,
-        layer=layer,
-        target=case.target,
-        relu=False,
-        normalize=False,
-        **case.options,
+        model, inputs, target=case.target, relu=False, normalize=False, **case.options
     )
+    if case.at_input:  # one map per level, fused
+        assert result.layers and all(
+            spot.startswith(f"{case.layer}:input[0][") for spot in result.layers
+        )
+    else:
+        assert result.layers == [case.layer]
     hand = _hand(case, model, inputs)
     # Levels of a head's input: each detection uses one level, so compare them together.
     tp.assert_close_to_hand(
@@ -295,7 +305,8 @@ def test_gradcam_agrees_with_pytorch_grad_cam_and_its_reshape_transform_on_hf_vi
 def test_yolo_still_backpropagates_after_camviz_picked_its_layer(config: str) -> None:
     model = tp.yolo(config)
     images = tp.images(96, 64)  # a size no other test uses: the head caches its anchors here
-    default_target_layer(model, images)  # the dry run
+    picked = camviz.explain(model, images, target=_YOLO_TARGET)  # layer=None: a dry run first
+    assert picked.layers[0].startswith(f"{tp.yolo_head(model)}:input")
     images.requires_grad_()
     with torch.enable_grad():
         (gradient,) = torch.autograd.grad(model(images)[0].sum(), images)
@@ -360,3 +371,69 @@ def test_a_detector_explained_as_a_classifier_is_pointed_to_detection(name: str)
             layer=case.layer if not case.at_input else f"{case.layer}:input",
         )
     assert "\n" not in str(error.value)
+
+
+# Named layers whose layout only the call tells -------------------------------------------
+
+NAMED = {
+    # HF ConvNeXt's downsampling norm is a ConvNextLayerNorm (an nn.LayerNorm subclass) with
+    # data_format="channels_first": its (N, 24, 4, 6) output is channels first, not 24 x 4
+    # tokens or a (24, 4) grid of 6 channels.
+    "convnext_channels_first_norm": (
+        "hf_convnext",
+        "convnext.encoder.stages.3.downsampling_layer.0",
+    ),
+    "segformer_stage": ("hf_segformer", "segformer.stages.1"),
+    "detr_input_projection": ("hf_detr", "model.input_projection"),
+    "unet_inner_decoder": ("monai_unet_3d", "model.1.submodule"),
+}
+
+
+@pytest.mark.parametrize("name", list(NAMED))
+def test_gradcam_at_a_named_layer_equals_the_hand_gradcam(name: str) -> None:
+    family, layer = NAMED[name]
+    case = CASES[family]
+    model, inputs = case.model(), case.inputs()
+    result = camviz.explain(
+        model, inputs, layer=layer, target=case.target, relu=False, normalize=False
+    )
+    (hand,) = tp.hand_gradcam(model, inputs, layer, case.score)
+    tp.assert_close_to_hand(result.layer_maps, hand)
+
+
+def test_detr_queries_are_never_laid_on_a_grid() -> None:
+    case = CASES["hf_detr"]
+    with pytest.raises(camviz.CamvizError) as error:
+        camviz.explain(
+            case.model(), case.inputs(), layer="model.decoder.layers.0", target=case.target
+        )
+    message = str(error.value)
+    assert "10 tokens that come from no patch embedding" in message and "\n" not in message
+    assert "'model.encoder.layers.0'" in message  # the layers whose tokens are patches
+
+
+def test_tokens_layout_says_where_the_patches_are() -> None:
+    case = CASES["hf_yolos"]
+    model, inputs = case.model(), case.inputs()
+    told = camviz.explain(model, inputs, layer=case.layer, target=case.target)
+    given = camviz.explain(
+        model,
+        inputs,
+        layer=case.layer,
+        target=case.target,
+        layout=camviz.Tokens(patches=slice(1, 25), grid=(4, 6)),
+    )
+    spelled = camviz.explain(
+        model, inputs, layer=case.layer, target=case.target, layout="tokens[1:25]"
+    )
+    torch.testing.assert_close(given.heatmaps, told.heatmaps)
+    torch.testing.assert_close(spelled.heatmaps, told.heatmaps)
+    # The trailing detection tokens are not patches: the last 24 tokens give another map.
+    wrong = camviz.explain(
+        model,
+        inputs,
+        layer=case.layer,
+        target=case.target,
+        layout=camviz.Tokens(slice(6, 30), (4, 6)),
+    )
+    assert tp.correlation(wrong.heatmaps, told.heatmaps) < 0.9

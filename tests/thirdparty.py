@@ -88,8 +88,9 @@ def hand_gradcam(
 
     def on_input(module: nn.Module, args: tuple[Any, ...]) -> Any:
         first = args[0]
-        replaced = [leaf(value) for value in first] if isinstance(first, list) else leaf(first)
-        return (replaced, *args[1:])
+        if isinstance(first, (list, tuple)):
+            return (type(first)(leaf(value) for value in first), *args[1:])
+        return (leaf(first), *args[1:])
 
     handle = (
         module.register_forward_pre_hook(on_input)

@@ -166,7 +166,7 @@ def record_calls(model: nn.Module, source: torch.Tensor | None = None) -> Iterat
     it and where its patch tokens are, and the log holds the attention modules and the
     modules that take several levels."""
     log = CallLog()
-    lineage = Lineage() if source is not None else None
+    lineage = Lineage(source) if source is not None else None
     rank = source.dim() - 2 if source is not None else 0
     running: list[str] = []
 
@@ -196,8 +196,6 @@ def record_calls(model: nn.Module, source: torch.Tensor | None = None) -> Iterat
         kind = module_kind(module, tuple(output.shape))
         call = Call(name, kind, tuple(output.shape))
         if lineage is not None:
-            if kind is not None and output.dim() == rank + 2:
-                lineage.mark_grid(output, 2 if kind == "channels_first" else 1, rank)
             call.depends = lineage.depends(output)
             call.tokens = lineage.token_grid(output)
         log.calls.append(call)
@@ -208,8 +206,6 @@ def record_calls(model: nn.Module, source: torch.Tensor | None = None) -> Iterat
 
     with HookSet() as hooks, lineage if lineage is not None else contextlib.nullcontext():
         if lineage is not None:
-            assert source is not None
-            lineage.source(source)
             lineage.on_attention = on_attention
         hooks.add(model.register_forward_pre_hook(on_model_input))
         for name, module in model.named_modules():

@@ -9,8 +9,8 @@ Two things cannot be told from a module or a shape, only from how a tensor was c
   queries come from no feature map at all and have no grid.
 
 :class:`Lineage`, a :class:`~camviz.core.calls.CallMode`, follows both through the calls of
-a pass. A feature map that a module outputs (:meth:`Lineage.mark_grid`) carries a *grid*
-tag; flattening its grid axes makes a *tokens* tag (the patches in row-major order, at
+a pass. A convolution's output computed from the map input carries a *grid* tag (its
+spatial axes); flattening its grid axes makes a *tokens* tag (the patches in row-major order, at
 offset 0), which a concatenation along the token axis shifts (tokens put before them), a
 transpose or permute moves, and every call that keeps the token axis (norms, linear layers,
 attention, residual sums) hands on. Unflattening the tokens again, or taking every other row
@@ -18,9 +18,12 @@ and column of the grid (Swin's patch merging), gives a grid tag again. A call th
 not know drops the tag: camviz then says it cannot tell where the patches are, rather than
 guessing from the token count.
 
-Attention is recognised by what it computes, not by a class name: a softmax of the product
-of two activations (``q @ k.T``), ``scaled_dot_product_attention`` or torch's
-``multi_head_attention_forward``; :attr:`Lineage.on_attention` is told of each.
+Attention is recognised by what it computes, not by a class name: a softmax over a q/k/v
+projection (a linear layer's output, reshaped; CoaT's factorised attention takes the
+softmax of its keys) or over the product of two activations (``q @ k.T``, also with
+convolution projections), ``scaled_dot_product_attention`` or torch's
+``multi_head_attention_forward``; :attr:`Lineage.on_attention` is told of each. (A softmax
+over an ``(N, K)`` classifier output, or over a convolution's box bins, is none.)
 """
 
 from __future__ import annotations
@@ -88,6 +91,12 @@ _ELEMENTWISE = frozenset(
 _PRODUCTS = frozenset({"matmul", "bmm", "einsum", "__matmul__", "__rmatmul__", "baddbmm"})
 _ATTENTION = frozenset(("scaled_dot_product_attention", "multi_head_attention_forward"))
 _CONCATENATIONS = frozenset(("cat", "concat", "concatenate"))
+_CONVOLUTIONS = frozenset(("conv1d", "conv2d", "conv3d"))
+# Calls that only rearrange a projection's values (into heads, q/k/v parts) or scale them.
+_REARRANGEMENTS = frozenset(
+    {"reshape", "view", "permute", "transpose", "unbind", "chunk", "split", "__getitem__"}
+    | {"contiguous", "flatten", "unflatten", "mul", "__mul__", "__rmul__", "div", "__truediv__"}
+)
 _TRANSPOSES = frozenset(("transpose", "swapaxes", "swapdims", "transpose_"))
 
 
@@ -99,26 +108,18 @@ class Lineage(CallMode):
         on_attention: Called at each attention computation (none: nothing is told).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, source: torch.Tensor) -> None:
         super().__init__()
         self._derived: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._tags: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._scores: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self._projections: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self._derived[source] = True
         self.on_attention: Callable[[], None] | None = None
-
-    def source(self, tensor: torch.Tensor) -> None:
-        """Mark ``tensor`` as the map input: what is computed from it depends on it."""
-        self._derived[tensor] = True
 
     def depends(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` was computed from the map input."""
         return tensor in self._derived
-
-    def mark_grid(self, tensor: torch.Tensor, first_axis: int, rank: int) -> None:
-        """Tag the ``rank`` axes of ``tensor`` from ``first_axis`` on as a grid of patches
-        (a module's feature map; only one computed from the map input)."""
-        if self.depends(tensor) and tensor.dim() >= first_axis + rank:
-            self._tags[tensor] = _Grid(first_axis, tuple(tensor.shape[first_axis:][:rank]))
 
     def token_grid(self, tensor: torch.Tensor) -> TokenGrid | None:
         """Where the patch tokens of an ``(N, T, C)`` tensor are, if it holds patch tokens."""
@@ -138,6 +139,9 @@ class Lineage(CallMode):
             for tensor in outputs:
                 self._derived[tensor] = True
         self._watch_attention(name, inputs, outputs)
+        if name in _CONVOLUTIONS and self.depends(outputs[0]) and outputs[0].dim() > 2:
+            self._tags[outputs[0]] = _Grid(2, tuple(outputs[0].shape[2:]))
+            return output
         for index, tensor in enumerate(outputs):
             tag = self._followed(name, args, kwargs, inputs, tensor, index)
             if tag is not None:
@@ -153,8 +157,16 @@ class Lineage(CallMode):
         product = name in _PRODUCTS and len(activations) >= 2
         if product or (name in _ELEMENTWISE and any(tensor in self._scores for tensor in inputs)):
             self._scores[outputs[0]] = True
+        if (name == "linear" and self.depends(inputs[0])) or (
+            name in _REARRANGEMENTS and inputs[0] in self._projections
+        ):
+            for tensor in outputs:
+                self._projections[tensor] = True
+        first = inputs[0]
         attention = name in _ATTENTION or (
-            name == "softmax" and any(tensor in self._scores for tensor in inputs)
+            name == "softmax"
+            and first.dim() >= 3
+            and (first in self._scores or first in self._projections)
         )
         if attention and self.on_attention is not None:
             self.on_attention()

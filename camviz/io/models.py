@@ -223,13 +223,16 @@ def with_input_size(loaded: LoadedModel, size: int) -> LoadedModel:
 
 
 def _default_layer(model: nn.Module, size: int, clip_len: int | None) -> str | None:
-    """The layer :func:`camviz.explain` picks for ``model``, from one dry run on a blank
-    image (a blank clip of ``clip_len`` frames) of the preprocessed size; ``None`` when it
-    has no spatial layer. The engine remembers the answer per model, so explaining with
-    ``layer=None`` later costs no second dry run."""
+    """The layer :func:`camviz.explain` picks for ``model``, from one dry run on a seeded
+    noise image (a clip of ``clip_len`` frames) of the preprocessed size: a blank one would
+    leave a random network's ReLUs at zero, so no gradient would tell which layers the score
+    depends on. ``None`` when it has no spatial layer. The engine remembers the answer per
+    model, so explaining with ``layer=None`` later costs no second dry run."""
     frames = () if clip_len is None else (clip_len,)
+    device = next(iter(model.parameters()), torch.zeros(())).device
+    noise = torch.rand(1, 3, *frames, size, size, generator=torch.Generator().manual_seed(0))
     try:
-        return default_target_layer(model, torch.zeros(1, 3, *frames, size, size))
+        return default_target_layer(model, noise.to(device))
     except CamvizError:
         return None
 
