@@ -210,9 +210,10 @@ def as_spatial(
     input_size: Sequence[int] | None = None,
     patch_size: int | Sequence[int] | None = None,
     kind: Kind | None = None,
+    tokens: TokenGrid | Tokens | None = None,
 ) -> torch.Tensor:
     """A layer's output (or its gradient) as an ``(N, C, *grid)`` map; see :func:`layout_of`."""
-    return layout_of(tensor.shape, layer, input_size, patch_size, kind).to_spatial(tensor)
+    return layout_of(tensor.shape, layer, input_size, patch_size, kind, tokens).to_spatial(tensor)
 
 
 def patch_size(model: nn.Module) -> tuple[int, ...] | None:

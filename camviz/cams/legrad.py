@@ -253,11 +253,14 @@ class LeGrad(CamMethod):
                 "blocks; it needs one attention per block"
             )
         used = range(len(parts.blocks))[-self.last :] if self.last else range(len(parts.blocks))
+        # The keys of a ViT's attention: its class token and patches (the grid from the
+        # model's patch stride, as layout="tokens" asks).
         layout = layout_of(
             (1, taps.deltas[0].shape[-1], 1),
             "attention keys",
             data.inputs.shape[-2:],
             patch_size(data.model),
+            "tokens",
         )
         maps = []
         for rank in ranks:
