@@ -43,7 +43,9 @@ _EXPORTS = {
     "Preprocess": "camviz.io.images:Preprocess",
     "Region": "camviz.core.targets:Region",
     "RowTarget": "camviz.core.targets:RowTarget",
+    "SetPredictions": "camviz.core.setpredictions:SetPredictions",
     "Similarity": "camviz.core.similarity:Similarity",
+    "Tokens": "camviz.core.layouts:Tokens",
     "TopK": "camviz.core.targets:TopK",
     "Tracker": "camviz.training.tracker:Tracker",
     "ZeroMapWarning": "camviz.core.errors:ZeroMapWarning",
@@ -118,6 +120,8 @@ if TYPE_CHECKING:
     from camviz.core.errors import ZeroMapWarning as ZeroMapWarning
     from camviz.core.hooks import capture as capture
     from camviz.core.hooks import edit as edit
+    from camviz.core.layouts import Tokens as Tokens
+    from camviz.core.setpredictions import SetPredictions as SetPredictions
     from camviz.core.similarity import Similarity as Similarity
     from camviz.core.targets import Contrast as Contrast
     from camviz.core.targets import Nearest as Nearest

@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from camviz.cli.options import (
+    add_layout_option,
     add_memory_budget_option,
     add_model_options,
     add_precision_options,
@@ -52,6 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_batches(parser)
     add_precision_options(parser)
     add_memory_budget_option(parser)
+    add_layout_option(parser)
     _add_task_options(parser)
     _add_volume_options(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -185,6 +185,31 @@ def add_memory_budget_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_layout_option(parser: argparse.ArgumentParser) -> None:
+    """``--layout``: the ``layout=`` of :func:`camviz.explain`, for layers whose layout or
+    patch tokens the pass cannot tell."""
+    parser.add_argument(
+        "--layout",
+        type=_layout,
+        default=None,
+        metavar="LAYOUT",
+        help="how the target layer lays out its output, where camviz cannot tell: "
+        "channels_first, channels_last, tokens (the grid from the token count), or "
+        "tokens[START:STOP] (the patch tokens, e.g. tokens[1:197])",
+    )
+
+
+def _layout(text: str) -> str:
+    from camviz.core.errors import CamvizError
+    from camviz.core.layouts import layout_kind
+
+    try:
+        layout_kind(text)
+    except CamvizError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def _byte_count(text: str) -> int:
     from camviz.core.errors import CamvizError
     from camviz.core.memory import parse_bytes
@@ -203,6 +228,7 @@ def explain_settings(args: argparse.Namespace) -> dict[str, Any]:
         "precision": args.precision,
         "channels_last": args.channels_last,
         "memory_budget": args.memory_budget,
+        "layout": args.layout,
     }
 
 

@@ -12,6 +12,7 @@ does not know. A level of a container spot that no module produced (an FPN's max
 from __future__ import annotations
 
 import dataclasses
+import re
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from camviz.core.errors import CamvizError
-from camviz.core.layerkinds import CallLog, Kind, module_kind
+from camviz.core.layerkinds import CallLog, Kind, module_kind, needs_shape
 from camviz.core.taps import parse
 
 # What layout= accepts: the three kinds, and the usual spellings of the first two.
@@ -36,19 +37,80 @@ LAYOUT_NAMES: dict[str, Kind] = {
     "tokens": "tokens",
 }
 
+
+@dataclass(frozen=True)
+class Tokens:
+    """``layout=`` for token outputs ``(N, T, C)`` whose patches camviz cannot find: the
+    tokens ``patches`` (a slice) are the patches in row-major order, on ``grid`` (by default
+    the grid of that many patches with the input's proportions).
+
+    camviz finds the patches itself where the pass shows them (a patch embedding's feature
+    map flattened into the tokens); this is for models where nothing does. In the CLI:
+    ``--layout tokens[1:197]``.
+
+    Example:
+        >>> camviz.explain(model, x, layer="blocks.11.norm1",
+        ...                layout=camviz.Tokens(patches=slice(1, 197), grid=(14, 14)))
+    """
+
+    patches: slice
+    grid: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.patches, slice):
+            raise CamvizError(
+                f"Tokens(patches=) takes a slice of the tokens, e.g. slice(1, 197), not "
+                f"{self.patches!r}"
+            )
+        grid = self.grid
+        if grid is not None and (
+            not isinstance(grid, (tuple, list))
+            or not 1 <= len(grid) <= 3
+            or not all(isinstance(extent, int) and extent > 0 for extent in grid)
+        ):
+            raise CamvizError(
+                f"Tokens(grid=) takes one to three positive ints, e.g. (14, 14), not {grid!r}"
+            )
+        if grid is not None:
+            object.__setattr__(self, "grid", tuple(grid))
+
+
+Layout = str | Tokens
+"""What ``layout=`` gives one spot: a kind's name, or where the patch tokens are."""
+
 # The layout kind of each (model, layer spot, input rank), once told from a recorded pass.
 _kind_cache: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, int], Kind | None]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def layout_kind(name: str) -> Kind:
+_TOKEN_SLICE = re.compile(r"tokens\[\s*(-?\d*)\s*:\s*(-?\d*)\s*\]")
+
+
+def layout_kind(name: str | Tokens) -> Kind:
     """The kind a ``layout=`` value names."""
+    if isinstance(name, Tokens):
+        return "tokens"
+    if isinstance(name, str) and _TOKEN_SLICE.fullmatch(name.strip().lower()):
+        return "tokens"
     if not isinstance(name, str) or name.lower() not in LAYOUT_NAMES:
         raise CamvizError(
-            f"unknown layout {name!r}; use 'channels_first', 'channels_last' or 'tokens'"
+            f"unknown layout {name!r}; use 'channels_first', 'channels_last', 'tokens', "
+            "'tokens[START:STOP]' or camviz.Tokens(patches=slice(START, STOP))"
         )
     return LAYOUT_NAMES[name.lower()]
+
+
+def given_tokens(value: str | Tokens) -> Tokens | None:
+    """Where a ``layout=`` value puts the patch tokens: a :class:`Tokens`, or its spelling
+    ``"tokens[1:197]"`` (the CLI's ``--layout``); ``None`` for a kind's name."""
+    if isinstance(value, Tokens):
+        return value
+    match = _TOKEN_SLICE.fullmatch(value.strip().lower()) if isinstance(value, str) else None
+    if match is None:
+        return None
+    start, stop = (int(bound) if bound else None for bound in match.groups())
+    return Tokens(slice(start, stop))
 
 
 @dataclass(frozen=True)
@@ -59,11 +121,13 @@ class SpotKinds:
         model: The model the spots are in.
         input_dims: The map input's number of dimensions (``4`` for ``(N, C, H, W)``).
         given: The kinds ``layout=`` gives, by spot key (or element spot of one).
+        tokens: Where ``layout=`` puts the patch tokens, by spot key (:class:`Tokens`).
     """
 
     model: nn.Module
     input_dims: int
     given: Mapping[str, Kind] = dataclasses.field(default_factory=dict)
+    tokens: Mapping[str, Tokens] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(
@@ -71,7 +135,7 @@ class SpotKinds:
         model: nn.Module,
         input_dims: int,
         spots: Sequence[str],
-        layout: str | Mapping[str, str] | None,
+        layout: Layout | Mapping[str, Layout] | None,
     ) -> SpotKinds:
         """The kinds of ``spots``, with what ``layout=`` gives (one layout for all spots, or
         ``{spot: layout}``).
@@ -81,8 +145,8 @@ class SpotKinds:
         """
         if layout is None:
             return cls(model, input_dims)
-        if isinstance(layout, str):
-            return cls(model, input_dims, {name: layout_kind(layout) for name in spots})
+        if isinstance(layout, (str, Tokens)):
+            layout = dict.fromkeys(spots, layout)
         unknown = [
             name
             for name in layout
@@ -90,17 +154,26 @@ class SpotKinds:
         ]
         if unknown:
             raise CamvizError(f"layout= names {unknown}, which are not target layers ({spots})")
-        return cls(model, input_dims, {name: layout_kind(value) for name, value in layout.items()})
+        tokens = {name: given_tokens(value) for name, value in layout.items()}
+        return cls(
+            model,
+            input_dims,
+            {name: layout_kind(value) for name, value in layout.items()},
+            {name: value for name, value in tokens.items() if value is not None},
+        )
 
     def expanded(self, spots: Sequence[str]) -> SpotKinds:
         """The kinds for the element spots of container spots (an FPN's levels): ``layout=``'s
         entry of the element itself, else of its container."""
-        given = {}
+        given, tokens = {}, {}
         for spot in spots:
             named = [key for key in self.given if spot == key or spot.startswith(key + "[")]
             if named:
-                given[spot] = self.given[max(named, key=len)]  # the element's own entry first
-        return dataclasses.replace(self, given=given)
+                key = max(named, key=len)  # the element's own entry first
+                given[spot] = self.given[key]
+                if key in self.tokens:
+                    tokens[spot] = self.tokens[key]
+        return dataclasses.replace(self, given=given, tokens=tokens)
 
     def known(self, name: str) -> Kind | None:
         """The kind of a spot's tensor without a recorded pass: given, by module, or cached."""
@@ -125,8 +198,13 @@ class SpotKinds:
         return levels.pop() if len(levels) == 1 else None
 
     def all_known(self, spots: Sequence[str]) -> bool:
-        """Whether every spot's kind is known without recording the pass's module calls."""
-        return all(self.known(name) is not None for name in spots)
+        """Whether every spot's kind is known without recording the pass's module calls (a
+        layer norm's is told from its output's shape, which the pass records anyway)."""
+        return all(
+            self.known(name) is not None
+            or (not parse(name).path and needs_shape(self.model.get_submodule(parse(name).name)))
+            for name in spots
+        )
 
     def told(
         self, name: str, calls: CallLog | None, activations: Mapping[str, torch.Tensor]
@@ -134,9 +212,12 @@ class SpotKinds:
         """The kind of a spot's tensor: as :meth:`known`, else told from the pass's module
         ``calls`` and recorded ``activations`` (and remembered for the model)."""
         known = self.known(name)
+        spot = parse(name)
+        if known is None and not spot.path:
+            shape = tuple(activations[name].shape)
+            known = module_kind(self.model.get_submodule(spot.name), shape)
         if known is not None or calls is None:
             return known
-        spot = parse(name)
         end = calls.starts.get(spot.name) if spot.at == "input" else calls.index(spot.name)
         if end is None:
             return None

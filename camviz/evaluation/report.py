@@ -48,6 +48,7 @@ from camviz.cams.settings import ExplainSettings, settings_or_keywords
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import as_batch, run_model
 from camviz.core.layers import Layer
+from camviz.core.modelstate import no_grad
 from camviz.core.precision import Precision
 from camviz.core.targets import as_logits, class_name
 from camviz.evaluation.metrics import (
@@ -260,7 +261,7 @@ def _top_class(model: nn.Module, inputs: torch.Tensor, label: str) -> tuple[torc
     Raises:
         CamvizError: The output is not finite.
     """
-    with torch.inference_mode():
+    with no_grad():
         probabilities = as_logits(run_model(model, inputs)).softmax(dim=-1)[0]
     if not bool(torch.isfinite(probabilities).all()):
         raise CamvizError(

@@ -293,15 +293,18 @@ def with_input_size(loaded: LoadedModel, size: int) -> LoadedModel:
 def _blank(
     model: nn.Module, preprocess: Preprocess, task: Task, clip_len: int | None
 ) -> torch.Tensor:
-    """A blank input for the dry runs: an image of the preprocessed size, a clip of
-    ``clip_len`` such frames, or a volume of 32 voxels a side; with the channels the
-    model's first convolution takes (a scan's one), else the preprocessing's."""
+    """A probe input for the dry runs, on the model's device: seeded noise (a blank one would
+    leave a random network's ReLUs at zero, so no gradient would tell which layers the score
+    depends on) of the preprocessed size, a clip of ``clip_len`` such frames, or a volume of
+    32 voxels a side; with the channels the model's first convolution takes (a scan's one),
+    else the preprocessing's."""
     first = next((m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
     channels = first.in_channels if first is not None else preprocess.channels
-    if task == "volume":
-        return torch.zeros(1, channels, *(_VOLUME_SIDE,) * 3)
     frames = () if clip_len is None else (clip_len,)
-    return torch.zeros(1, channels, *frames, preprocess.size, preprocess.size)
+    grid = (_VOLUME_SIDE,) * 3 if task == "volume" else (*frames, preprocess.size, preprocess.size)
+    device = next(iter(model.parameters()), torch.zeros(())).device
+    noise = torch.rand(1, channels, *grid, generator=torch.Generator().manual_seed(0))
+    return noise.to(device)
 
 
 def _default_layer(model: nn.Module, blank: torch.Tensor) -> str | None:

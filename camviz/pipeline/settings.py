@@ -143,6 +143,8 @@ class JobSettings(ExplainSettings):
         }
         if self.input_size is not None:
             settings["input_size"] = self.input_size
+        if self.layout is not None:
+            settings["layout"] = self.layout
         if loaded.task != "classification":
             settings["task"] = loaded.task
         if loaded.task == "detection":
