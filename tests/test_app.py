@@ -18,6 +18,7 @@ import shutil
 import socket
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -301,6 +302,35 @@ def test_a_bad_upload_is_one_line_in_the_page_and_the_next_request_works(second_
     assert tab.after(fourth.check, "explained").startswith("explained ")
 
 
+@pytest.mark.browser
+def test_no_path_the_client_sends_is_opened(classifier_server, classifier, monkeypatch):
+    import camviz.explorer.callbacks as callbacks
+    from camviz.explorer.framework import gradio
+    from camviz.explorer.session import Session
+    from camviz.explorer.subject import Subject
+
+    opened: list[str] = []
+    reading = callbacks.load_image
+    monkeypatch.setattr(callbacks, "load_image", lambda path: opened.append(path) or reading(path))
+    forged = {"path": "/etc/hostname", "meta": {"_type": "gradio.FileData"}}
+    call = urllib.request.Request(
+        f"{classifier_server.url}gradio_api/call/upload",
+        data=json.dumps({"data": [None, forged]}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(call, timeout=30) as response:
+        event = json.load(response)["event_id"]
+    answer = f"{classifier_server.url}gradio_api/call/upload/{event}"
+    with urllib.request.urlopen(answer, timeout=30) as response:
+        assert response.read().decode().startswith("event: error")  # refused by Gradio
+    # ...and by the handler itself, whatever Gradio lets through.
+    widgets = callbacks.Widgets(*(object() for _ in fields(callbacks.Widgets)))
+    handlers = callbacks.Handlers(gradio(), Subject(classifier), {}, widgets, Path("."))
+    line = handlers.upload(Session(handlers.subject), "/etc/hostname")[widgets.status]
+    assert "camviz: error: that file was not uploaded through the page" in line
+    assert opened == []
+
+
 # --- a detector and a segmenter -------------------------------------------------------------
 
 
@@ -359,10 +389,14 @@ def test_clicking_a_box_of_the_detector_and_a_region_of_a_segmenter(browser, sce
     region = camviz.Region(int(predicted[row, col]), predicted == predicted[row, col])
     with camviz.app(segmenter, [scene], port=0, block=False) as server:
         tab = Tab(browser, server.url)
+        # The largest region comes first: the background, whose logit is a constant here.
+        assert tab.status().startswith("scene: explained background (")
+        assert "; warning: gradcam: 1 of 1 maps are all zero" in tab.status()
         name = SEGMENTATION_CLASSES[region.class_id]
         line = tab.after(lambda: tab.click_pixel("camviz-picture", col, row), "explained")
         assert line.startswith(f"explained {name} (")
         expected = camviz.explain(segmenter.model, inputs, "gradcam", "detector.features", region)
+        assert float(expected.heatmaps.max()) == 1.0 and "warning" not in line
         drawn = camviz.overlay(image, expected.heatmaps[0])
         assert np.array_equal(tab.picture("camviz-overlay"), np.asarray(drawn))
         tab.close()

@@ -154,6 +154,11 @@ class Handlers:
     def upload(self, session: Session | None, stored: str | None) -> Updates:
         if not stored:
             raise CamvizError("the upload did not arrive; upload the image again")
+        # Gradio hands over only files of its upload folder; checked again here, so that no
+        # path a page sends is ever opened, whatever Gradio's version does.
+        uploads = Path(self.gr.utils.get_upload_folder()).resolve()
+        if not Path(stored).resolve().is_relative_to(uploads):
+            raise CamvizError("that file was not uploaded through the page; upload it again")
         name = Path(stored).name
         try:
             image = load_image(stored)
@@ -291,7 +296,10 @@ class Handlers:
         current = session.current()
         views = [current, *session.compared(_reporter(progress))]
         return [
-            (view_overlay(session, view.explained, view.settings), view.settings.label)
+            (
+                view_overlay(session, view.explained, view.settings),
+                "; warning: ".join([view.settings.label, *view.warnings]),
+            )
             for view in views
         ]
 

@@ -69,71 +69,90 @@ def build(gr: ModuleType, subject: Subject, images: dict[str, str], export_root:
 
 
 def _layout(gr: ModuleType, subject: Subject, images: dict[str, str]) -> tuple[Widgets, _Controls]:
-    state = gr.State()
-    status = gr.HTML("starting...", elem_id="camviz-status")
+    made: dict[str, Any] = {
+        "state": gr.State(),
+        "status": gr.HTML("starting...", elem_id="camviz-status"),
+    }
     with gr.Row():
         with gr.Column(scale=2):
-            upload = gr.UploadButton("Upload an image", type="filepath", elem_id="camviz-upload")
-            given = gr.Dropdown(
-                list(images),
-                value=next(iter(images), None),
-                label="Images given",
-                visible=bool(images),
-                elem_id="camviz-images",
-            )
-            picture = gr.Image(
-                label="Image (click a box or a region)",
-                type="pil",
-                format="png",
-                interactive=False,
-                buttons=_BUTTONS,
-                elem_id="camviz-picture",
-            )
-            candidates = gr.Radio([], label="Explain", elem_id="camviz-candidates")
-            class_name = gr.Dropdown(
-                list(subject.loaded.categories),
-                value=None,
-                label="Or type a class name",
-                filterable=True,
-                visible=bool(subject.loaded.categories),
-                elem_id="camviz-class",
-            )
+            made |= _image_column(gr, subject, images)
         with gr.Column(scale=2):
-            method = gr.Dropdown(
-                names(subject.model), value="gradcam", label="Method", elem_id="camviz-method"
-            )
-            info = gr.HTML(method_info("gradcam"), elem_id="camviz-method-info")
-            options = gr.Textbox(
-                format_options("gradcam"),
-                lines=3,
-                label="Options (name = value)",
-                elem_id="camviz-options",
-            )
-            apply = gr.Button("Apply the options", size="sm", elem_id="camviz-apply")
-            layer = gr.Dropdown(
-                [], label="Layer (output shape; the default marked)", elem_id="camviz-layer"
-            )
-            alpha = gr.Slider(
-                0.0, 1.0, value=0.5, step=0.05, label="Opacity", elem_id="camviz-alpha"
-            )
-            colormap = gr.Dropdown(
-                list(SHIPPED_NAMES), value="jet", label="Colour map", elem_id="camviz-colormap"
-            )
+            made |= _settings_column(gr, subject)
         with gr.Column(scale=3):
-            overlay = gr.Image(
-                label="Map",
-                type="pil",
-                format="png",
-                interactive=False,
-                buttons=_BUTTONS,
-                elem_id="camviz-overlay",
-            )
-            caption = gr.HTML("", elem_id="camviz-caption")
-            cancel = gr.Button("Cancel", variant="stop", size="sm", elem_id="camviz-cancel")
+            made["overlay"] = _picture(gr, "Map", "camviz-overlay")
+            made["caption"] = gr.HTML("", elem_id="camviz-caption")
+            made["cancel"] = gr.Button("Cancel", variant="stop", size="sm", elem_id="camviz-cancel")
+    made |= _below(gr)
+    controls = {field: made.pop(field) for field in _Controls.__dataclass_fields__}
+    return Widgets(**made), _Controls(**controls)
+
+
+def _picture(gr: ModuleType, label: str, elem_id: str) -> Any:
+    """A picture the server draws (PNG, lossless: the page shows camviz's pixels)."""
+    return gr.Image(
+        label=label,
+        type="pil",
+        format="png",
+        interactive=False,
+        buttons=_BUTTONS,
+        elem_id=elem_id,
+    )
+
+
+def _image_column(gr: ModuleType, subject: Subject, images: dict[str, str]) -> dict[str, Any]:
+    return {
+        "upload": gr.UploadButton("Upload an image", type="filepath", elem_id="camviz-upload"),
+        "images": gr.Dropdown(
+            list(images),
+            value=next(iter(images), None),
+            label="Images given",
+            visible=bool(images),
+            elem_id="camviz-images",
+        ),
+        "picture": _picture(gr, "Image (click a box or a region)", "camviz-picture"),
+        "candidates": gr.Radio([], label="Explain", elem_id="camviz-candidates"),
+        "class_name": gr.Dropdown(
+            list(subject.loaded.categories),
+            value=None,
+            label="Or type a class name",
+            filterable=True,
+            visible=bool(subject.loaded.categories),
+            elem_id="camviz-class",
+        ),
+    }
+
+
+def _settings_column(gr: ModuleType, subject: Subject) -> dict[str, Any]:
+    return {
+        "method": gr.Dropdown(
+            names(subject.model), value="gradcam", label="Method", elem_id="camviz-method"
+        ),
+        "method_info": gr.HTML(method_info("gradcam"), elem_id="camviz-method-info"),
+        "options": gr.Textbox(
+            format_options("gradcam"),
+            lines=3,
+            label="Options (name = value)",
+            elem_id="camviz-options",
+        ),
+        "apply": gr.Button("Apply the options", size="sm", elem_id="camviz-apply"),
+        "layer": gr.Dropdown(
+            [], label="Layer (output shape; the default marked)", elem_id="camviz-layer"
+        ),
+        "alpha": gr.Slider(0.0, 1.0, value=0.5, step=0.05, label="Opacity", elem_id="camviz-alpha"),
+        "colormap": gr.Dropdown(
+            list(SHIPPED_NAMES), value="jet", label="Colour map", elem_id="camviz-colormap"
+        ),
+    }
+
+
+def _below(gr: ModuleType) -> dict[str, Any]:
+    made: dict[str, Any] = {}
     with gr.Row():
-        pin = gr.Button(f"Add the map to the panels (up to {MAX_PANELS})", elem_id="camviz-pin")
-        clear = gr.Button("Clear the panels", elem_id="camviz-clear")
-    panels = gr.Gallery(
+        made["pin"] = gr.Button(
+            f"Add the map to the panels (up to {MAX_PANELS})", elem_id="camviz-pin"
+        )
+        made["clear"] = gr.Button("Clear the panels", elem_id="camviz-clear")
+    made["panels"] = gr.Gallery(
         label="Panels side by side",
         columns=MAX_PANELS,
         format="png",
@@ -141,56 +160,21 @@ def _layout(gr: ModuleType, subject: Subject, images: dict[str, str]) -> tuple[W
         elem_id="camviz-panels",
     )
     with gr.Accordion("Channel view", open=False, elem_id="camviz-channel-view"):
-        show_channels = gr.Button("Show the layer's channels", elem_id="camviz-show-channels")
-        channel_info = gr.HTML("", elem_id="camviz-channel-info")
+        made["show_channels"] = gr.Button(
+            "Show the layer's channels", elem_id="camviz-show-channels"
+        )
+        made["channel_info"] = gr.HTML("", elem_id="camviz-channel-info")
         with gr.Row():
-            channels = gr.Image(
-                label="Channels by weight (click one)",
-                type="pil",
-                format="png",
-                interactive=False,
-                buttons=_BUTTONS,
-                elem_id="camviz-channels",
-            )
-            channel_map = gr.Image(
-                label="The channel over the image",
-                type="pil",
-                format="png",
-                interactive=False,
-                buttons=_BUTTONS,
-                elem_id="camviz-channel-map",
-            )
+            made["channels"] = _picture(gr, "Channels by weight (click one)", "camviz-channels")
+            made["channel_map"] = _picture(gr, "The channel over the image", "camviz-channel-map")
     with gr.Row():
-        measure = gr.Button("Measure deletion and insertion", elem_id="camviz-measure")
-        export = gr.Button("Export the report and the maps", elem_id="camviz-export")
-    faithfulness = gr.HTML("", elem_id="camviz-faithfulness")
-    files = gr.File(
+        made["measure"] = gr.Button("Measure deletion and insertion", elem_id="camviz-measure")
+        made["export"] = gr.Button("Export the report and the maps", elem_id="camviz-export")
+    made["faithfulness"] = gr.HTML("", elem_id="camviz-faithfulness")
+    made["files"] = gr.File(
         label="Exported", file_count="multiple", interactive=False, elem_id="camviz-files"
     )
-    widgets = Widgets(
-        state=state,
-        status=status,
-        images=given,
-        picture=picture,
-        candidates=candidates,
-        class_name=class_name,
-        method=method,
-        method_info=info,
-        options=options,
-        layer=layer,
-        alpha=alpha,
-        colormap=colormap,
-        overlay=overlay,
-        caption=caption,
-        panels=panels,
-        channels=channels,
-        channel_map=channel_map,
-        channel_info=channel_info,
-        faithfulness=faithfulness,
-        files=files,
-    )
-    controls = _Controls(upload, apply, cancel, pin, clear, show_channels, measure, export)
-    return widgets, controls
+    return made
 
 
 def _wire(gr: ModuleType, page: Any, w: Widgets, c: _Controls, h: Handlers) -> None:
@@ -203,7 +187,9 @@ def _wire(gr: ModuleType, page: Any, w: Widgets, c: _Controls, h: Handlers) -> N
     def typed(session: Any, name: Any, progress: Any = bar) -> Any:
         return h.pick_class(session, name, progress)
 
-    def clicked(session: Any, event: gr.SelectData, progress: Any = bar) -> Any:
+    # gr is a module value here, which mypy cannot read types from; Gradio reads the
+    # annotation at run time to hand the handler the click.
+    def clicked(session: Any, event: gr.SelectData, progress: Any = bar) -> Any:  # type: ignore[name-defined]
         return h.click_picture(session, event.index[0], event.index[1], progress)
 
     def method(session: Any, name: Any, progress: Any = bar) -> Any:
@@ -218,28 +204,30 @@ def _wire(gr: ModuleType, page: Any, w: Widgets, c: _Controls, h: Handlers) -> N
     def pin(session: Any, progress: Any = bar) -> Any:
         return h.pin(session, progress)
 
-    def channel(session: Any, event: gr.SelectData) -> Any:
+    def channel(session: Any, event: gr.SelectData) -> Any:  # type: ignore[name-defined]
         return h.click_channel(session, event.index[0], event.index[1])
 
     def export(session: Any, progress: Any = bar) -> Any:
         return h.export(session, progress)
 
+    # The progress bar and timer on the map only (on every output, they cost the page time).
+    explaining = {"outputs": outputs, "show_progress_on": [w.overlay]}
     quiet = {"outputs": outputs, "show_progress": "hidden"}
-    page.load(h.start, None, outputs)
-    w.images.input(h.pick_image, [w.state, w.images], outputs)
-    c.upload.upload(h.upload, [w.state, c.upload], outputs)
-    w.candidates.input(picked, [w.state, w.candidates], outputs)
-    w.class_name.input(typed, [w.state, w.class_name], outputs)
-    w.picture.select(clicked, [w.state], outputs)
-    w.method.input(method, [w.state, w.method], outputs)
-    c.apply.click(options, [w.state, w.options], outputs)
-    w.layer.input(layer, [w.state, w.layer], outputs)
+    page.load(h.start, None, **explaining)
+    w.images.input(h.pick_image, [w.state, w.images], **explaining)
+    c.upload.upload(h.upload, [w.state, c.upload], **explaining)
+    w.candidates.input(picked, [w.state, w.candidates], **explaining)
+    w.class_name.input(typed, [w.state, w.class_name], **explaining)
+    w.picture.select(clicked, [w.state], **explaining)
+    w.method.input(method, [w.state, w.method], **explaining)
+    c.apply.click(options, [w.state, w.options], **explaining)
+    w.layer.input(layer, [w.state, w.layer], **explaining)
     w.alpha.release(h.restyle, [w.state, w.alpha, w.colormap], **quiet)
     w.colormap.input(h.restyle, [w.state, w.alpha, w.colormap], **quiet)
-    c.cancel.click(h.cancel, [w.state], outputs, queue=False)
-    c.pin.click(pin, [w.state], outputs)
-    c.clear.click(h.clear, [w.state], outputs)
-    c.show_channels.click(h.show_channels, [w.state], outputs)
+    c.cancel.click(h.cancel, [w.state], queue=False, **quiet)
+    c.pin.click(pin, [w.state], outputs, show_progress_on=[w.panels])
+    c.clear.click(h.clear, [w.state], **quiet)
+    c.show_channels.click(h.show_channels, [w.state], outputs, show_progress_on=[w.channels])
     w.channels.select(channel, [w.state], **quiet)
-    c.measure.click(h.measure, [w.state], outputs)
-    c.export.click(export, [w.state], outputs)
+    c.measure.click(h.measure, [w.state], outputs, show_progress_on=[w.faithfulness])
+    c.export.click(export, [w.state], outputs, show_progress_on=[w.files])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,7 @@ from PIL import Image
 
 from camviz.cams.engine import Explanation, explain
 from camviz.cams.registry import get, names
-from camviz.core.errors import CamvizError
+from camviz.core.errors import CamvizError, first_line
 from camviz.core.modelstate import exclusive
 from camviz.explorer.progress import Report, copies, watched
 from camviz.explorer.subject import MIN_SCORE, Candidate, LayerEntry, Subject
@@ -61,11 +62,13 @@ class Settings:
 
 @dataclass(frozen=True)
 class Panel:
-    """One map shown: its settings, the explanation and how long it took."""
+    """One map shown: its settings, the explanation, how long it took and the warnings
+    :func:`camviz.explain` gave (an all-zero map, a memory budget too small)."""
 
     settings: Settings
     explained: Explanation
     seconds: float
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass
@@ -80,8 +83,7 @@ class Session:
     candidates: list[Candidate] = field(default_factory=list)
     chosen: Candidate | None = None
     settings: Settings | None = None
-    explained: Explanation | None = None
-    seconds: float = 0.0
+    shown: Panel | None = None
     alpha: float = 0.5
     colormap: str = "jet"
     pinned: list[Settings] = field(default_factory=list)
@@ -107,7 +109,7 @@ class Session:
         self.candidates = candidates
         self.chosen = candidates[0] if candidates else None
         self.settings = Settings(method, layer, options)
-        self.explained = None
+        self.shown = None
         self._generation += 1
 
     def choose(self, candidate: Candidate) -> None:
@@ -163,16 +165,18 @@ class Session:
         started = time.perf_counter()
         model = self.subject.model
         # The lock first: the hook must see this call's passes only, not another tab's.
-        with exclusive(model), watched(model, self.cancel, expected, report, what):
+        # Under the lock, only this call warns through camviz: its warnings are this map's.
+        with (
+            exclusive(model),
+            watched(model, self.cancel, expected, report, what),
+            warnings.catch_warnings(record=True) as caught,
+        ):
+            warnings.simplefilter("always")
             explained = explain(
-                model,
-                inputs,
-                settings.method,
-                settings.layer,
-                self.chosen.target,
-                **options,
+                model, inputs, settings.method, settings.layer, self.chosen.target, **options
             )
-        return Panel(settings, explained, time.perf_counter() - started)
+        said = tuple(dict.fromkeys(_first_line(warning.message) for warning in caught))
+        return Panel(settings, explained, time.perf_counter() - started, said)
 
     def show(
         self,
@@ -191,14 +195,19 @@ class Session:
         except BaseException:
             self.chosen, self._generation = previous
             raise
-        self.settings, self.explained, self.seconds = settings, panel.explained, panel.seconds
+        self.settings, self.shown = settings, panel
         return panel
+
+    @property
+    def explained(self) -> Explanation | None:
+        """The current view's explanation, if there is one."""
+        return self.shown.explained if self.shown is not None else None
 
     def current(self) -> Panel:
         """The current view."""
-        if self.settings is None or self.explained is None:
+        if self.shown is None:
             raise CamvizError("nothing explained yet; pick a class, an object or a region")
-        return Panel(self.settings, self.explained, self.seconds)
+        return self.shown
 
     def compared(self, report: Report | None = None) -> list[Panel]:
         """The pinned settings explained for the current candidate (kept until the image or
@@ -230,10 +239,12 @@ class Session:
         self.pinned.append(self.settings)
 
     def described(self) -> str:
-        """What the current view explains, in words."""
-        if self.chosen is None or self.settings is None:
+        """What the current view explains, in words, with camviz's warnings about it."""
+        if self.chosen is None or self.shown is None:
             return ""
-        return f"{self.chosen.label} by {self.settings.label} in {self.seconds:.2f} s"
+        shown = self.shown
+        said = "".join(f"; warning: {warning}" for warning in shown.warnings)
+        return f"{self.chosen.label} by {shown.settings.label} in {shown.seconds:.2f} s{said}"
 
 
 _NOTHING = {
@@ -241,6 +252,10 @@ _NOTHING = {
     "detection": f"no object scored {MIN_SCORE:g} or more in this image; try another image",
     "segmentation": "nothing to explain; click a region",
 }
+
+
+def _first_line(message: Warning | str) -> str:
+    return first_line(message) if isinstance(message, Warning) else message.splitlines()[0]
 
 
 def format_options(method: str, options: tuple[tuple[str, Any], ...] = ()) -> str:

@@ -182,7 +182,7 @@ class Subject:
         found = (self.adapter(output) if self.adapter is not None else output)[0]
         scores, labels = found["scores"].tolist(), found["labels"].tolist()
         boxes = found["boxes"].detach().float().cpu().tolist()
-        objects = []
+        objects: list[Candidate] = []
         for index, (score, label, box) in enumerate(zip(scores, labels, boxes, strict=True)):
             if score >= MIN_SCORE and len(objects) < _MAX_OBJECTS:
                 objects.append(
