@@ -55,7 +55,7 @@ CHROMIUM_ARGS = [
 ]
 # Inputs in [0, 1]: the synthetic networks normalise them themselves.
 RAW = Preprocess(size=64, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
-WAIT_MS = 20_000
+WAIT_MS = 60_000  # a bound on waiting for the page, not a timing: the machine may be busy
 
 
 def _missing(what: str) -> None:
@@ -482,3 +482,35 @@ def test_options_are_read_as_the_method_takes_them():
     )
     with pytest.raises(CamvizError, match="scorecam has no option 'size'; it takes batch_size"):
         parse_options("scorecam", "size = 3")
+
+
+def test_another_host_than_this_machine_is_warned_about(gradio, classifier, monkeypatch, capsys):
+    import camviz.explorer.page as page
+
+    class StopError(Exception):
+        """Raised where the page would be built: nothing listens in this test."""
+
+    def stop(*args: object) -> None:
+        raise StopError
+
+    monkeypatch.setattr(page, "build", stop)
+    with pytest.raises(StopError):
+        camviz.app(classifier, host="0.0.0.0", port=0, block=False)
+    assert capsys.readouterr().err == (
+        "camviz: warning: the explorer listens on 0.0.0.0: anyone who can reach this address "
+        "can run the model and upload images\n"
+    )
+    with pytest.raises(StopError):
+        camviz.app(classifier, port=0, block=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_port_in_use_is_one_line(gradio, classifier):
+    from camviz.core.errors import CamvizError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(CamvizError, match=rf"^cannot listen on 127\.0\.0\.1:{port} \("):
+            camviz.app(classifier, port=port, block=False)

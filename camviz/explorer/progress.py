@@ -36,11 +36,12 @@ class CancelledError(CamvizError):
     """The user cancelled the explanation; the previous map stays."""
 
 
-def copies(method: str, options: dict[str, Any], channels: int) -> int | None:
+def copies(method: str, options: dict[str, Any], channels: int | None) -> int | None:
     """How many perturbed copies of one image ``method`` scores at a layer of ``channels``
-    channels, or ``None`` for a method that makes none (one pass: nothing to follow)."""
+    channels, or ``None`` for a method that makes none (one pass: nothing to follow) or
+    when the channels are not known (a layer of several outputs)."""
     cls = get(method)
-    if not issubclass(cls, PerturbationMethod):
+    if not issubclass(cls, PerturbationMethod) or channels is None:
         return None
     defaults = inspect.signature(cls).parameters
     samples = options.get("num_samples")

@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from camviz.core.detection import Adapter
@@ -121,6 +122,28 @@ def app(
         )
     port = port or _free_port(host)
     export_root = Path(tempfile.mkdtemp(prefix="camviz-app-"))
+    try:
+        page, url = _launched(gr, subject, offered, export_root, host, port, inline=not block)
+    except BaseException:
+        shutil.rmtree(export_root, ignore_errors=True)
+        raise
+    server = AppServer(page, url, host, port, export_root)
+    if block:
+        print(f"camviz explorer: {url} (Ctrl-C stops it)", file=sys.stderr)
+        server.wait()
+    return server
+
+
+def _launched(
+    gr: ModuleType,
+    subject: Subject,
+    offered: dict[str, str],
+    export_root: Path,
+    host: str,
+    port: int,
+    inline: bool,
+) -> tuple[Any, str]:
+    """The page, built and listening on ``host:port``, and its address."""
     from camviz.explorer.page import CSS, build
 
     page = build(gr, subject, offered, export_root)
@@ -130,7 +153,7 @@ def app(
             server_name=host,
             server_port=port,
             prevent_thread_lock=True,
-            inline=None if not block else False,
+            inline=None if inline else False,  # None: inline in a notebook
             share=False,
             ssr_mode=False,
             quiet=True,
@@ -143,16 +166,11 @@ def app(
             css=CSS,
         )
     except OSError as error:
-        shutil.rmtree(export_root, ignore_errors=True)
         raise CamvizError(
             f"cannot listen on {host}:{port} ({first_line(error)}); pass another port, or 0 "
             "for a free one"
         ) from None
-    server = AppServer(page, url, host, port, export_root)
-    if block:
-        print(f"camviz explorer: {url} (Ctrl-C stops it)", file=sys.stderr)
-        server.wait()
-    return server
+    return page, url
 
 
 def _offered(images: str | Path | Iterable[str | Path]) -> dict[str, str]:

@@ -85,11 +85,15 @@ class LayerEntry:
         """The tree line: indented by depth, with type, output shape and the default mark."""
         indent = "\u2003" * self.name.count(".")
         mark = "  \u2190 default" if self.default else ""
-        return f"{indent}{self.name}  {self.kind} {self.shape}{mark}"
+        shape = self.shape if self.shape else "(several outputs)"
+        return f"{indent}{self.name}  {self.kind} {shape}{mark}"
 
     @property
-    def channels(self) -> int:
-        """Channels of the output: dim 1 of a feature map, the last dim of tokens."""
+    def channels(self) -> int | None:
+        """Channels of the output: dim 1 of a feature map, the last dim of tokens (``None``
+        for several outputs)."""
+        if not self.shape:
+            return None
         return self.shape[1] if len(self.shape) == 4 else self.shape[-1]
 
 
@@ -263,7 +267,9 @@ class Subject:
                 default = self.loaded.default_layer or default_target_layer(self.model, inputs)
             entries: dict[str, LayerEntry] = {}
             for name, kind, shape in rows:
-                if len(shape) >= 3 and name not in entries:
+                # Maps and tokens; and outputs that are not one tensor (an FPN's dict of
+                # levels, a detector's default layer), shown with the shape ().
+                if (len(shape) >= 3 or not shape) and name not in entries:
                     entries[name] = LayerEntry(name, kind, shape, name == default)
             if default not in entries:
                 raise CamvizError(
