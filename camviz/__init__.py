@@ -19,8 +19,9 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
-import warnings
 from typing import TYPE_CHECKING, Any
+
+from camviz._deprecation import warn_moved
 
 __version__ = "0.2.0"
 
@@ -36,6 +37,7 @@ _EXPORTS = {
     "GradientMonitor": "camviz.debug.monitor:GradientMonitor",
     "ImageResult": "camviz.pipeline.dataset:ImageResult",
     "LayerTable": "camviz.debug.layerstats:LayerTable",
+    "ModelError": "camviz.core.errors:ModelError",
     "Nearest": "camviz.core.targets:Nearest",
     "NonFiniteError": "camviz.core.errors:NonFiniteError",
     "Preprocess": "camviz.io.images:Preprocess",
@@ -43,6 +45,7 @@ _EXPORTS = {
     "RowTarget": "camviz.core.targets:RowTarget",
     "Similarity": "camviz.core.similarity:Similarity",
     "TopK": "camviz.core.targets:TopK",
+    "Tracker": "camviz.training.tracker:Tracker",
     "ZeroMapWarning": "camviz.core.errors:ZeroMapWarning",
     "app": "camviz.explorer.server:app",
     "capture": "camviz.core.hooks:capture",
@@ -79,7 +82,8 @@ PUBLIC_MODULES = {
 }
 
 # Module paths of release 0.1 that moved in 0.2. They keep working until 0.3, with a
-# DeprecationWarning that names the new path (see CHANGELOG.md).
+# DeprecationWarning that names the new path (see CHANGELOG.md); names that moved out of a
+# public module warn the same way (camviz._deprecation).
 MOVED_MODULES = {
     "camviz.dataset": "camviz.pipeline.dataset",
     "camviz.distributed": "camviz.pipeline.distributed",
@@ -110,6 +114,7 @@ if TYPE_CHECKING:
     from camviz.core.detection import DenseDetections as DenseDetections
     from camviz.core.detection import Detection as Detection
     from camviz.core.errors import CamvizError as CamvizError
+    from camviz.core.errors import ModelError as ModelError
     from camviz.core.errors import NonFiniteError as NonFiniteError
     from camviz.core.errors import ZeroMapWarning as ZeroMapWarning
     from camviz.core.hooks import capture as capture
@@ -147,6 +152,7 @@ if TYPE_CHECKING:
     from camviz.pipeline.dataset import ImageResult as ImageResult
     from camviz.pipeline.dataset import explain_dataset as explain_dataset
     from camviz.pipeline.job import explain_files as explain_files
+    from camviz.training.tracker import Tracker as Tracker
 
     # Type checkers do not evaluate the __all__ above; `X as X` re-exports a name, and an
     # export imported under another name is re-exported by listing it here.
@@ -163,11 +169,7 @@ class _AliasLoader(importlib.abc.Loader):
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         if self.deprecated:
-            warnings.warn(
-                f"{spec.name} moved to {self.target}; the old path goes away in camviz 0.3",
-                DeprecationWarning,
-                stacklevel=3,
-            )
+            warn_moved(spec.name, self.target, stacklevel=2)
         module = importlib.import_module(self.target)
         self.target_spec = module.__spec__
         return module

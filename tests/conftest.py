@@ -1,9 +1,15 @@
-"""Shared fixtures: small models built once per session, and the shipped photos."""
+"""Shared fixtures: small models built once per session, and the shipped photos.
+
+The tiny models that many test modules build are factories here (``conv_net``,
+``tiny_vit``): each call gives a new model, so a test may change it, and the same call
+gives the same weights.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -22,6 +28,49 @@ def cat_path() -> Path:
 @pytest.fixture(scope="session")
 def coffee_path() -> Path:
     return ASSETS / "coffee.png"
+
+
+_CONVS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+_POOLS = {1: nn.AdaptiveAvgPool1d, 2: nn.AdaptiveAvgPool2d, 3: nn.AdaptiveAvgPool3d}
+
+
+def conv_net(
+    *channels: int,
+    classes: int | None = 3,
+    in_channels: int = 3,
+    kernel: int = 3,
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] = 0,
+    activation: type[nn.Module] = nn.ReLU,
+    rank: int = 2,
+    seed: int | None = 0,
+) -> nn.Sequential:
+    """A plain CNN in eval mode: ``conv -> activation`` for each entry of ``channels``, then
+    global average pooling, flatten and a linear head to ``classes`` (no head when None).
+
+    Layers are named by position: with two convs, ``"0"`` and ``"2"`` are the convs, ``"1"``
+    and ``"3"`` their activations, ``"6"`` the head. ``stride`` and ``padding`` are one
+    value for every conv or one per conv; ``rank`` 1 and 3 build ``Conv1d`` and ``Conv3d``
+    nets. ``seed`` seeds torch's global generator first (None leaves it as it is), so the
+    weights are those of the same modules built by hand after ``torch.manual_seed(seed)``.
+    """
+    strides = [stride] * len(channels) if isinstance(stride, int) else list(stride)
+    paddings = [padding] * len(channels) if isinstance(padding, int) else list(padding)
+    if seed is not None:
+        torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    widths = [in_channels, *channels]
+    for (width_in, width_out), step, pad in zip(
+        itertools.pairwise(widths), strides, paddings, strict=True
+    ):
+        layers += [
+            _CONVS[rank](width_in, width_out, kernel, stride=step, padding=pad),
+            activation(),
+        ]
+    layers += [_POOLS[rank](1), nn.Flatten()]
+    if classes is not None:
+        layers.append(nn.Linear(widths[-1], classes))
+    return nn.Sequential(*layers).eval()
 
 
 def tiny_vit() -> nn.Module:
@@ -227,3 +276,45 @@ def assert_rows_match():
             assert close(got, want), (got, want)
 
     return check
+
+
+@pytest.fixture(scope="session")
+def synthetic_classifier():
+    """The shipped synthetic CNN as a loaded model for folder jobs: 32 px images in ``[0, 1]``
+    (it normalises them itself), its four classes, its ``features`` layer. A job through it
+    costs milliseconds per image."""
+    from camviz.evaluation import synthetic
+    from camviz.io.images import Preprocess
+    from camviz.io.models import LoadedModel
+
+    return LoadedModel(
+        model=synthetic.load_model(),
+        preprocess=Preprocess(size=32, mean=(0, 0, 0), std=(1, 1, 1)),
+        categories=list(synthetic.CLASSES),
+        name="synthetic-cnn",
+        default_layer=synthetic.TARGET_LAYER,
+    )
+
+
+def tiny_cnn(seed: int = 0) -> nn.Module:
+    """A random CNN for 16 px RGB images with 3 classes, in train mode: BatchNorm (running
+    statistics), Dropout (draws from torch's generator while training) and the layer
+    ``"features.3"``, an 8-channel 8 x 8 convolution, before the head. A new model each call."""
+    from collections import OrderedDict
+
+    torch.manual_seed(seed)
+    features = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Conv2d(6, 8, 3, padding=1, stride=2),
+        nn.ReLU(),
+    )
+    layers = OrderedDict(
+        features=features,
+        dropout=nn.Dropout(0.2),
+        pool=nn.AdaptiveAvgPool2d(1),
+        flatten=nn.Flatten(),
+        head=nn.Linear(8, 3),
+    )
+    return nn.Sequential(layers).train()

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import conv_net
 from PIL import Image
-from torch import nn
 
 import camviz.pipeline.dataset as dataset_module
 from camviz.io.images import Preprocess, load_image
@@ -85,24 +85,13 @@ def test_tensor_preprocessing_is_within_a_level_of_pillows(cat_path):
     assert levels.abs().max() <= 1.01 and levels.abs().mean() < 0.2
 
 
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.features = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU())
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
-
-
 def test_the_folder_job_with_device_decoding_gives_the_pillow_results(files, monkeypatch):
     paths = [str(path) for path in files.values()]
-    model = Tiny().eval()
+    model = conv_net(6, classes=4, padding=1)
 
     def run() -> dict[str, dataset_module.ImageResult]:
         results = explain_dataset(
-            model, paths, preprocess=Preprocess(size=24), layer="features", batch_size=8
+            model, paths, preprocess=Preprocess(size=24), layer="1", batch_size=8
         )
         return {Path(str(result.path)).name: result for result in results}
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import conv_net
 from torch import nn
 
 from camviz.core.errors import CamvizError
@@ -15,16 +16,8 @@ from camviz.debug.layerstats import inspect
 
 
 def tiny_cnn() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 4, 3),
-        nn.ReLU(),
-        nn.Conv2d(4, 6, 3),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(6, 3),
-    ).eval()
+    """Convs ``0`` (4 channels) and ``2`` (6), a mean and the head ``6``, 3 classes."""
+    return conv_net(4, 6)
 
 
 def test_zeroing_every_channel_of_the_last_conv_leaves_the_bias_only_logits(untouched):

@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import conv_net
 from torch import nn
 
 import camviz
@@ -23,15 +24,13 @@ from camviz.pipeline.job import Outputs
 def evidence_model() -> nn.Module:
     """Non-negative features; class 0 is their negated mean, class 1 their mean: class 0
     has only negative evidence, so its Grad-CAM map is all zero."""
-    model = nn.Sequential(
-        nn.Conv2d(3, 2, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2, 2)
-    )
+    model = conv_net(2, classes=2, kernel=1, seed=None)  # every weight is set here
     with torch.no_grad():
         model[0].weight.fill_(1.0)
         model[0].bias.fill_(1.0)
         model[4].weight.copy_(torch.tensor([[-1.0, -1.0], [1.0, 1.0]]))
         model[4].bias.zero_()
-    return model.eval()
+    return model
 
 
 def test_explain_warns_in_one_line_of_all_zero_maps_only() -> None:

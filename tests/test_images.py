@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import struct
 import warnings
 import zlib
@@ -336,20 +337,24 @@ def test_shorter_keeps_the_aspect_ratio_of_a_real_photo(cat_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "options",
+    ("options", "message"),
     [
-        {"size": 0},
-        {"mean": (0.5, 0.5)},
-        {"std": (0.2, 0.0, 0.2)},
-        {"resize": "crop"},
-        {"interpolation": "lanczos"},
-        {"max_size": 100},
-        {"multiple_of": 0},
+        ({"size": 0}, "size must be a positive number of pixels, not 0"),
+        ({"mean": (0.5, 0.5)}, "mean must have 3 values (R, G, B), got 2"),
+        ({"std": (0.2, 0.0, 0.2)}, "std values must be positive, got (0.2, 0.0, 0.2)"),
+        ({"resize": "crop"}, "resize must be 'shorter', 'square' or 'none', not 'crop'"),
+        (
+            {"interpolation": "lanczos"},
+            "interpolation must be one of bilinear, bicubic, not 'lanczos'",
+        ),
+        ({"max_size": 100}, "max_size (100) must be at least size (224), or None"),
+        ({"multiple_of": 0}, "multiple_of must be a positive integer, not 0"),
     ],
 )
-def test_preprocess_rejects_bad_settings(options: dict) -> None:
-    with pytest.raises(CamvizError):
+def test_preprocess_rejects_bad_settings(options: dict, message: str) -> None:
+    with pytest.raises(CamvizError, match=re.escape(message)) as error:
         Preprocess(**options)
+    assert "\n" not in str(error.value)
 
 
 def test_preprocess_is_hashable_with_list_statistics() -> None:
@@ -373,8 +378,10 @@ def test_load_batch_stacks_square_images_and_keeps_the_originals(
 
 
 def test_load_batch_accepts_one_path(cat_path: Path) -> None:
-    batch, originals = load_batch(str(cat_path), Preprocess(size=32))
+    preprocess = Preprocess(size=32)
+    batch, originals = load_batch(str(cat_path), preprocess)
     assert batch.shape[0] == 1 and len(originals) == 1
+    torch.testing.assert_close(batch[0], preprocess(load_image(cat_path)))
 
 
 def test_load_batch_refuses_images_of_different_shapes(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
-from conftest import tiny_vit
+from conftest import conv_net, tiny_vit
 from torch import nn
 
 import camviz
@@ -129,10 +129,8 @@ def test_legrad_through_timm_fused_attention_equals_the_explicit_formula(inputs,
 
 
 def test_legrad_refuses_models_without_attention_blocks_and_is_left_out_of_their_list():
-    model = nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2)
-    )
+    model = conv_net(4, classes=2)
     with pytest.raises(CamvizError, match="legrad explains timm and torchvision vision"):
-        camviz.explain(model.eval(), torch.randn(1, 3, 8, 8), "legrad", layer="0")
+        camviz.explain(model, torch.randn(1, 3, 8, 8), "legrad", layer="0")
     assert "legrad" not in camviz.cams.names(model)
     assert "legrad" in camviz.cams.names(timm_vit())

@@ -7,6 +7,7 @@ import inspect
 
 import pytest
 import torch
+from conftest import conv_net
 from reference import min_max, principal_projection
 from torch import nn
 
@@ -18,6 +19,7 @@ CHANNEL_MAP_METHODS = [
     "ablationcam",
     "cam",
     "fem",
+    "fem_pgc",
     "gradcam",
     "gradcam++",
     "smooth_gradcam++",
@@ -41,14 +43,7 @@ CHEAP = {
 
 def pooled_net() -> nn.Module:
     """conv -> SiLU (the target, ``1``: 4 x 4 x 4 for an 8 x 8 input) -> mean -> linear."""
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 4, 3, stride=2, padding=1),
-        nn.SiLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(4, 3),
-    ).eval()
+    return conv_net(4, stride=2, padding=1, activation=nn.SiLU)
 
 
 def test_an_unknown_option_is_a_one_line_error_naming_the_options():

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
+from conftest import conv_net
 from reference import min_max
 from torch import nn
 
@@ -24,16 +25,7 @@ CLASSES = [1, 3]
 
 def small_cnn() -> nn.Module:
     """conv -> ReLU -> conv (stride 2) -> ReLU -> global average pool -> linear, 10 classes."""
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(8, 8, 3, stride=2, padding=1),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(8, 10),
-    ).eval()
+    return conv_net(8, 8, classes=10, stride=(1, 2), padding=1)
 
 
 @pytest.fixture(scope="module")

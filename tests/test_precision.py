@@ -112,10 +112,16 @@ def test_model_and_inputs_come_back_as_they_came_also_on_errors(tiny, batch, nat
 
 
 def test_float64_model_keeps_float64(tiny, batch, native):
+    single = camviz.explain(tiny, batch, "gradcam", "features.2", 0)
     model = tiny.double()
     result = camviz.explain(model, batch.double(), "gradcam", "features.2", 0, precision="bf16")
     assert result.layer_maps.dtype == torch.float64
     assert all(p.dtype == torch.float64 for p in model.parameters())
+    # Autocast leaves float64 alone: the float64 maps, not bf16 ones (correlation 0.98 above).
+    plain = camviz.explain(model, batch.double(), "gradcam", "features.2", 0)
+    torch.testing.assert_close(result.layer_maps, plain.layer_maps, atol=0, rtol=0)
+    torch.testing.assert_close(result.layer_maps.float(), single.layer_maps, atol=1e-5, rtol=0)
+    torch.testing.assert_close(result.scores.float(), single.scores, atol=1e-5, rtol=1e-5)
 
 
 def test_scorecam_scores_under_bf16_and_ablationcam_stays_fp32(tiny, batch, native):

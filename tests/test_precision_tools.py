@@ -7,6 +7,7 @@ import argparse
 
 import pytest
 import torch
+from conftest import conv_net
 from torch import nn
 
 import camviz
@@ -20,16 +21,7 @@ LAYERS = ["0", "2", "5"]
 
 @pytest.fixture
 def tiny() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(8, 12, 3, padding=1),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(12, 5),
-    ).eval()
+    return conv_net(8, 12, classes=5, padding=1)
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import conv_net
 from reference import leaf_activations_and_gradients
 
 import camviz
@@ -68,17 +69,8 @@ def test_weights_of_gradient_methods_equal_the_paper(resnet18, recorded, method,
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 6, 3),
-        torch.nn.ReLU(),
-        torch.nn.Conv2d(6, 8, 3),
-        torch.nn.ReLU(),
-        torch.nn.AdaptiveAvgPool2d(1),
-        torch.nn.Flatten(),
-        torch.nn.Linear(8, 6),
-    )
-    return model.eval(), torch.randn(2, 3, 12, 12)
+    model = conv_net(6, 8, classes=6)
+    return model, torch.randn(2, 3, 12, 12)
 
 
 def test_ablationcam_weights_are_the_relative_drops(tiny):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import io
 import os
+import re
 from pathlib import Path
 
 import matplotlib
@@ -13,9 +16,9 @@ from matplotlib.figure import Figure
 from PIL import Image
 
 from camviz.core.errors import CamvizError
-from camviz.io import render
+from camviz.io.atomic import atomic_path, atomic_write, is_temporary
+from camviz.io.pictures import check_render_options
 from camviz.io.render import (
-    atomic_write,
     channel_figure,
     channel_grid,
     colorize,
@@ -121,6 +124,19 @@ def test_bad_heatmaps_are_refused(image: Image.Image, heatmap, message: str) -> 
         overlay(image, heatmap)
 
 
+def test_a_map_out_of_range_is_refused_naming_a_function_that_normalises_it(image) -> None:
+    heatmap = torch.linspace(-1.0, 3.0, 48).view(6, 8)
+    with pytest.raises(CamvizError, match=r"got -1 to 3; normalise the map first") as error:
+        overlay(image, heatmap)
+    named = re.search(r"camviz(?:\.\w+)+", str(error.value))
+    assert named is not None
+    module, name = named.group(0).rsplit(".", 1)
+    normalised = getattr(importlib.import_module(module), name)(heatmap[None])[0]
+    torch.testing.assert_close(normalised, (heatmap + 1) / 4)
+    expected = expected_blend(np.asarray(image, dtype=np.float64), normalised.numpy(), 0.5, "jet")
+    np.testing.assert_allclose(np.asarray(overlay(image, normalised)), expected, atol=1)
+
+
 def test_bad_alpha_and_colour_map_are_refused(image: Image.Image) -> None:
     values = np.zeros((6, 8))
     with pytest.raises(CamvizError, match="alpha"):
@@ -133,9 +149,9 @@ def test_bad_alpha_and_colour_map_are_refused(image: Image.Image) -> None:
     ("alpha", "colormap", "message"), [(-0.1, "jet", "alpha"), (0.5, "jett", "did you mean jet")]
 )
 def test_render_options_are_checked_up_front(alpha: float, colormap: str, message: str) -> None:
-    render.check_render_options(0.0, "turbo")
+    check_render_options(0.0, "turbo")
     with pytest.raises(CamvizError, match=message):
-        render.check_render_options(alpha, colormap)
+        check_render_options(alpha, colormap)
 
 
 # Channels
@@ -274,8 +290,28 @@ def test_show_returns_images_jupyter_can_draw(image: Image.Image) -> None:
 def test_save_writes_images_figures_and_tensors(tmp_path: Path, image: Image.Image) -> None:
     save(image, tmp_path / "image.png")
     np.testing.assert_array_equal(read(tmp_path / "image.png"), np.asarray(image))
-    save(panel(image, np.zeros((6, 8))), tmp_path / "panel.png")
-    assert read(tmp_path / "panel.png").shape[1] > 0
+    # An all-zero map draws jet's lowest colour, dark blue, blended half and half.
+    figure = panel(image, np.zeros((6, 8)))
+    _, heatmap_ax, overlay_ax = figure.axes
+    assert not heatmap_ax.images[0].get_array().any()
+    assert heatmap_ax.images[0].get_clim() == (0.0, 1.0)  # zero is the bottom of the scale
+    dark_blue = np.zeros((6, 8, 3))
+    dark_blue[..., 2] = 127.5
+    expected = np.rint(0.5 * np.asarray(image, dtype=np.float64) + 0.5 * dark_blue)
+    np.testing.assert_allclose(overlay_ax.images[0].get_array(), expected, atol=1)
+    save(figure, tmp_path / "panel.png")
+    drawn = io.BytesIO()
+    figure.savefig(drawn, format="png")
+    with Image.open(drawn) as rendered:
+        np.testing.assert_array_equal(read(tmp_path / "panel.png"), np.asarray(rendered))
+    # In the picture: the middle tile is one solid dark-blue rectangle of the image's shape.
+    pixels = read(tmp_path / "panel.png")[..., :3]
+    blue = (pixels == matplotlib.colormaps["jet"](0.0, bytes=True)[:3]).all(axis=-1)
+    (top, left), (bottom, right) = np.argwhere(blue).min(0), np.argwhere(blue).max(0) + 1
+    assert blue.sum() == (bottom - top) * (right - left)
+    assert abs((right - left) / (bottom - top) - 8 / 6) < 0.01
+    width = pixels.shape[1]
+    assert width / 3 <= left < right <= 2 * width / 3
     save(panel(image, np.zeros((6, 8))), tmp_path / "panel.pdf")
     assert (tmp_path / "panel.pdf").read_bytes().startswith(b"%PDF")
     save(torch.zeros(3, 2, 2), tmp_path / "grid.bmp")
@@ -318,6 +354,20 @@ def test_atomic_write_keeps_the_old_file_when_the_writer_fails(tmp_path: Path) -
     assert list(tmp_path.iterdir()) == [target]
 
 
+def test_atomic_path_replaces_the_file_only_when_the_writer_succeeds(tmp_path: Path) -> None:
+    target = tmp_path / "clips" / "clip.mp4"
+    with atomic_path(target, keep_suffix=True) as temporary:
+        assert temporary.parent == target.parent and temporary.name.startswith(".clip.mp4.")
+        assert temporary.suffix == ".mp4" and is_temporary(temporary.name)
+        temporary.write_bytes(b"first")
+    assert target.read_bytes() == b"first"
+    with pytest.raises(WriterError), atomic_path(target) as temporary:
+        temporary.write_bytes(b"half a video")
+        raise WriterError
+    assert target.read_bytes() == b"first"
+    assert list(target.parent.iterdir()) == [target]
+
+
 def test_a_figure_that_fails_to_render_leaves_no_file(
     tmp_path: Path, image: Image.Image, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -356,7 +406,7 @@ def test_an_unwritable_folder_is_one_line(tmp_path: Path, monkeypatch: pytest.Mo
     def denied(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(render.os, "open", denied)
+    monkeypatch.setattr(os, "open", denied)
     with pytest.raises(CamvizError, match=r"cannot write .*cat\.png \(Permission denied\)"):
         save(Image.new("RGB", (2, 2)), tmp_path / "cat.png")
 
@@ -367,7 +417,7 @@ def test_a_failed_rename_removes_the_temporary_file(
     def refuse(source, target):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(render.os, "replace", refuse)
+    monkeypatch.setattr(os, "replace", refuse)
     with pytest.raises(CamvizError, match="Permission denied"):
         save(Image.new("RGB", (2, 2)), tmp_path / "cat.png")
     assert list(tmp_path.iterdir()) == []

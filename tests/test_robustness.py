@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import conv_net, tiny_vit
 from torch import nn
 
 import camviz
@@ -15,16 +16,7 @@ from camviz.core.modelstate import eval_mode
 
 def small_cnn() -> nn.Module:
     """conv -> ReLU -> conv -> ReLU -> mean -> linear: 3 classes from (N, 3, 8, 8) inputs."""
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(4, 4, 3, padding=1),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(4, 3),
-    )
+    return conv_net(4, 4, padding=1)
 
 
 class RefusesEval(nn.Linear):
@@ -113,16 +105,48 @@ def test_all_zero_maps_from_a_default_layer_the_score_ignores_are_an_error(metho
 # --- Empty batches, inference mode, torch.compile -------------------------------------------
 
 
+def model_for(method: str) -> tuple[nn.Module, int]:
+    """A model ``method`` explains, and its input size: a CNN with five classes (so that
+    Finer-CAM finds three nearest classes for each of the top 2), or, for LeGrad, which
+    explains vision transformers only, a tiny ViT."""
+    cnn = conv_net(4, 4, classes=5, padding=1)
+    model, size = (cnn, 8) if method in camviz.cams.names(cnn) else (tiny_vit(), 32)
+    assert method in camviz.cams.names(model)
+    return model, size
+
+
 @pytest.mark.parametrize("method", camviz.cams.names())
-def test_every_method_explains_an_empty_batch_as_an_empty_result(method):
-    model = small_cnn()
-    try:
-        camviz.explain(model, torch.rand(1, 3, 8, 8), method, target="top2")
-    except CamvizError:
-        return  # a method for other models (LeGrad explains vision transformers only)
-    result = camviz.explain(model, torch.rand(0, 3, 8, 8), method, target="top2")
-    assert result.heatmaps.shape == (0, 8, 8)
+def test_every_method_explains_an_empty_batch_at_a_named_layer_as_an_empty_result(method):
+    model, size = model_for(method)
+    full = camviz.explain(model, torch.rand(1, 3, size, size), method, target="top2")
+    assert full.heatmaps.shape == (2, size, size)  # the method works on this model
+    empty = torch.rand(0, 3, size, size)
+    result = camviz.explain(model, empty, method, layer=full.layers, target="top2")
+    assert result.heatmaps.shape == (0, size, size)
     assert result.targets.shape == result.scores.shape == result.samples.shape == (0,)
+    assert result.layers == full.layers
+
+
+@pytest.mark.parametrize("method", camviz.cams.names())
+def test_an_empty_batch_without_a_layer_is_refused_in_one_line_by_every_method(method):
+    """The default layer is found by running a sample; refused before that run, and also
+    once the layer is remembered, so that the answer does not depend on earlier calls."""
+    model, size = model_for(method)
+    empty = torch.rand(0, 3, size, size)
+    expected = r"^the batch is empty, .* pass layer=NAME to explain an empty batch$"
+    with pytest.raises(CamvizError, match=expected):
+        camviz.explain(model, empty, method, target="top2")
+    camviz.explain(model, torch.rand(1, 3, size, size), method, target="top2")
+    with pytest.raises(CamvizError, match=expected):
+        camviz.explain(model, empty, method, target="top2")
+
+
+def test_a_target_refused_on_a_full_batch_is_refused_on_an_empty_one_in_the_same_words():
+    # Three classes leave two others, fewer than Finer-CAM's three nearest.
+    expected = r"^Nearest\(k\) needs 1 <= k <= 2 \(the other classes\), got 3$"
+    for images in (torch.rand(1, 3, 8, 8), torch.rand(0, 3, 8, 8)):
+        with pytest.raises(CamvizError, match=expected):
+            camviz.explain(small_cnn(), images, "finercam", layer="3", target="top2")
 
 
 @pytest.mark.parametrize(

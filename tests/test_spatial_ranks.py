@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import conv_net
 from reference import leaf_activations_and_gradients
 from torch import nn
 
@@ -125,19 +126,7 @@ def hand_gradcam(model, inputs, layer, classes, relu=True):
 
 @pytest.mark.parametrize("rank", [1, 3])
 def test_gradcam_in_1d_and_3d_equals_the_formula_from_autograd(rank):
-    torch.manual_seed(rank)
-    conv, pool = (
-        (nn.Conv1d, nn.AdaptiveAvgPool1d) if rank == 1 else (nn.Conv3d, nn.AdaptiveAvgPool3d)
-    )
-    model = nn.Sequential(
-        conv(3, 5, 3, padding=1),
-        nn.ReLU(),
-        conv(5, 7, 3, stride=2),
-        nn.ReLU(),
-        pool(1),
-        nn.Flatten(),
-        nn.Linear(7, 4),
-    ).eval()
+    model = conv_net(5, 7, classes=4, stride=(1, 2), padding=(1, 0), rank=rank, seed=rank)
     inputs = torch.randn(2, 3, *([20] if rank == 1 else [6, 8, 10]))
     result = camviz.explain(model, inputs, layer="2", target=[1, 3])
     expected, _ = hand_gradcam(model, inputs, "2", [1, 3])
@@ -156,16 +145,7 @@ def test_3d_gradcam_matches_pytorch_grad_cam():
     from pytorch_grad_cam import GradCAM
     from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
 
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv3d(3, 8, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv3d(8, 8, 3, padding=1),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool3d(1),
-        nn.Flatten(),
-        nn.Linear(8, 3),
-    ).eval()
+    model = conv_net(8, 8, padding=1, rank=3)
     # A layer at the input's resolution: no resizing, whose filters differ (scipy's cubic
     # spline zoom there, trilinear here), so the maps are compared as the methods compute them.
     inputs = torch.randn(2, 3, 4, 12, 12)
@@ -181,14 +161,7 @@ def test_3d_gradcam_matches_pytorch_grad_cam():
 
 def test_a_1d_convolution_output_is_a_signal_map_not_a_grid_of_channels():
     """(N, C, L) from a Conv1d used to be read as (N, T, C) tokens: a 1 x C grid of channels."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv1d(1, 64, 5, padding=2),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool1d(1),
-        nn.Flatten(),
-        nn.Linear(64, 2),
-    ).eval()
+    model = conv_net(64, classes=2, in_channels=1, kernel=5, padding=2, rank=1)
     inputs = torch.randn(3, 1, 50)
     result = camviz.explain(model, inputs, layer="1", target=0, relu=False, normalize=False)
     expected, _ = hand_gradcam(model, inputs, "1", [0, 0, 0], relu=False)
@@ -200,9 +173,15 @@ def test_a_tensor_is_a_batch_except_one_image_for_an_image_model(resnet18):
     signal_model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
     signal_model(torch.zeros(1, 3, 16))
     three_signals = torch.randn(3, 3, 16)
-    assert camviz.explain(signal_model.eval(), three_signals, layer="1").heatmaps.shape == (3, 16)
+    signals = camviz.explain(signal_model.eval(), three_signals, layer="1", target=0)
+    assert signals.heatmaps.shape == (3, 16)
+    alone = camviz.explain(signal_model, three_signals[1:2], layer="1", target=0)
+    torch.testing.assert_close(signals.heatmaps[1:2], alone.heatmaps)  # sample 1 of 3
     one_image = torch.randn(3, 32, 32)
-    assert camviz.explain(resnet18, one_image, layer="layer4").heatmaps.shape == (1, 32, 32)
+    image = camviz.explain(resnet18, one_image, layer="layer4", relu=False, target=2)
+    as_batch = camviz.explain(resnet18, one_image[None], layer="layer4", relu=False, target=2)
+    assert image.heatmaps.shape == (1, 32, 32)
+    torch.testing.assert_close(image.heatmaps, as_batch.heatmaps)
 
 
 def test_ssdlite_head_is_refused_in_one_line_naming_layout():

@@ -27,7 +27,7 @@ from torch import nn
 from camviz.cams.layout import layout_of, patch_size
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import capture
-from camviz.core.inputs import model_device
+from camviz.core.inputs import as_batch
 from camviz.core.layerkinds import module_kind
 from camviz.core.layers import default_target_layer, resolve_layers
 from camviz.core.maps import normalize
@@ -124,13 +124,11 @@ def factorize(
         output_key: Where the logits are in a tuple or dict output (for ``class_scores``).
 
     Raises:
-        CamvizError: A bad layer or ``k``, or activations that are all zero.
+        CamvizError: Inputs that are not one float image batch (checked by
+            :func:`camviz.core.inputs.as_batch`), a bad layer or ``k``, or activations that
+            are all zero.
     """
-    if inputs.dim() == 3:
-        inputs = inputs.unsqueeze(0)
-    device = model_device(model)
-    if device is not None:
-        inputs = inputs.to(device)
+    inputs = as_batch(inputs, model)
     with eval_mode(model):
         if layer is None:
             layer = default_target_layer(model, inputs)

@@ -66,18 +66,16 @@ class ScoreCAM(PerturbationMethod):
     channels; here they are weighted by the zero image's probability, which shifts the map by
     a constant that the normalisation removes (where nothing is clipped by the ReLU).
 
-    Compared with the peers: pytorch-grad-cam upsamples with ``align_corners=True`` and
-    adds ``1e-8`` to the normalising span; torchcam normalises ``A^k`` before upsampling.
-    Both change the masks slightly, so normalised maps differ by about ``1e-2`` on a
-    ResNet-18's ``layer1`` (tested), more on very coarse grids where ``align_corners``
-    moves the masks most. camviz follows the paper's order (upsample, then normalise).
+    Compared with the peers: camviz follows the paper's order (upsample, then normalise),
+    where torchcam normalises ``A^k`` before upsampling, and pytorch-grad-cam upsamples with
+    ``align_corners=True`` and adds ``1e-8`` to the normalising span (how far the maps
+    differ: README, *Compared with pytorch-grad-cam, torchcam and Captum*).
 
     Args:
         batch_size: Masked images per forward pass; overrides ``memory_budget``. ``None``:
             as many as fit in ``memory_budget``, and on a CPU at most as many as hold about
             2^20 input values (6 at 224 x 224, 64 at most), since small batches keep a
-            CPU's caches warm (ResNet-50 at 224 px, 2 threads: 47 ms per image in batches
-            of 4, 78 ms in batches of 32).
+            CPU's caches warm (README, *Speed and memory*).
         memory_budget: Bytes (or ``"512MiB"``) the masked passes may add at their peak;
             ``None``: 1 GiB, on a GPU half its free memory up to 8 GiB
             (:class:`~camviz.cams.perturbation.PerturbationMethod`).
@@ -209,8 +207,9 @@ class SSCAM(ScoreCAM):
             take (see :class:`ScoreCAM`).
         num_samples: Noise draws ``M``.
         std: Standard deviation of the noise added to the ``[0, 1]`` masks.
-        seed: Seed of the noise, for reproducible maps; ``None`` draws the seed from torch's
-            global generator.
+        seed: Seed of the noise (default 0, as ``smooth_gradcam++``'s), so that the same
+            input always gives the same map; ``None`` draws the seed from torch's global
+            generator.
         weighting: As for :class:`ScoreCAM` (default ``"softmax"``, the paper's).
         eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
@@ -227,7 +226,7 @@ class SSCAM(ScoreCAM):
         batch_size: int | None = None,
         num_samples: int = 35,
         std: float = 2.0,
-        seed: int | None = None,
+        seed: int | None = 0,
         weighting: Weighting = "softmax",
         *,
         memory_budget: int | str | None = None,

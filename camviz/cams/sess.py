@@ -81,8 +81,7 @@ class SESS(Wrapper):
     224 x 336 image; pass ``scales=12`` for the paper's setting.
 
     Compared with pytorch-grad-cam's ``SESS``: the same steps; its base maps are resized
-    with OpenCV and min-max normalised with ``+ 1e-7``, which changes values by about
-    ``1e-3``.
+    with OpenCV and min-max normalised with ``+ 1e-7``, camviz's with torch and exactly.
 
     Args:
         base: The base method (default ``"gradcam"``).
@@ -215,7 +214,7 @@ class SESS(Wrapper):
             for chunk, chunk_images in zip(
                 patches.split(self.batch_size), images.split(self.batch_size), strict=True
             ):
-                output = data.model(chunk)
+                output = data.run(chunk, chunk_images)
                 if self.softmax:
                     if not isinstance(output, torch.Tensor):
                         raise CamvizError(

@@ -11,9 +11,10 @@ increase in confidence, win rate). :func:`write_report` writes the numbers to a 
   plain JavaScript, and a Content-Security-Policy forbids anything else, so the page opens
   from disk, with no server, and loads nothing from the network.
 * ``metrics.csv`` - one row per image and method; ``summary.csv`` - one row per method.
-  A text cell that a spreadsheet would run as a formula (one starting with ``=``, ``+``,
-  ``-``, ``@``, a tab or a carriage return: an image named ``=cmd|...``) is written with a
-  ``'`` in front, as OWASP's advice on CSV injection says.
+  A text cell that a spreadsheet would run as a formula (one with a line starting with
+  ``=``, ``+``, ``-``, ``@``, a tab or a carriage return: an image named ``=cmd|...``) is
+  written with a ``'`` in front, as OWASP's advice on CSV injection says
+  (:mod:`camviz.io.csvfiles`).
 
 Images are named by their path relative to the folder they share (``a/x.png`` and
 ``b/x.png``, not twice ``x.png``). Each method is run once on the first image before
@@ -26,7 +27,6 @@ Every file is written atomically.
 from __future__ import annotations
 
 import base64
-import csv
 import html
 import io
 import os
@@ -40,17 +40,26 @@ from typing import Any
 
 import torch
 from PIL import Image
+from torch import nn
 
-from camviz.cams.engine import explain
-from camviz.cams.perturbation import budget_option
+from camviz.cams.engine import Explanation, explain
 from camviz.cams.registry import get
+from camviz.cams.settings import ExplainSettings, settings_or_keywords
 from camviz.core.errors import CamvizError
-from camviz.core.inputs import as_batch, model_device
+from camviz.core.inputs import as_batch, run_model
 from camviz.core.layers import Layer
-from camviz.core.precision import Precision, check_precision
+from camviz.core.precision import Precision
 from camviz.core.targets import as_logits, class_name
-from camviz.evaluation.metrics import confidence, deletion, insertion, win_rate
+from camviz.evaluation.metrics import (
+    Confidence,
+    Curve,
+    confidence,
+    deletion,
+    insertion,
+    win_rate,
+)
 from camviz.io.atomic import atomic_write
+from camviz.io.csvfiles import write_csv
 from camviz.io.images import load_image
 from camviz.io.models import LoadedModel
 from camviz.io.render import overlay
@@ -163,6 +172,7 @@ def compare(
     channels_last: bool = False,
     bar: bool | None = False,
     memory_budget: int | str | None = None,
+    settings: ExplainSettings | None = None,
 ) -> Comparison:
     """Explain every image with every method and measure each map.
 
@@ -181,6 +191,9 @@ def compare(
             (when stderr is a terminal).
         memory_budget: The ``memory_budget`` of the perturbation methods among ``methods``
             (bytes, or ``"512MiB"``); ``None``: their default.
+        settings: ``layer``, ``precision``, ``channels_last`` and ``memory_budget`` in one
+            object, as ``camviz explain`` takes them too (then not as keywords; its
+            ``method`` is unused: ``methods`` are compared).
 
     Returns:
         The :class:`Comparison`; write it with :func:`write_report`.
@@ -189,55 +202,38 @@ def compare(
         raise CamvizError("no image given; pass one or more image files")
     if not methods:
         raise CamvizError("no method given; pass one or more CAM method names")
+    keywords = ExplainSettings(
+        layer=layer, precision=precision, channels_last=channels_last, memory_budget=memory_budget
+    )
+    chosen = settings_or_keywords(settings, keywords)
+    method_options = chosen.method_options(loaded.model, methods)  # before any model work
     names = [get(method).name for method in methods]
-    method_options = {name: budget_option(get(name), memory_budget) for name in names}
     images = [load_image(path) for path in paths]
     labels = image_labels(paths)
-    layer = layer if layer is not None else loaded.default_layer
+    layer = chosen.layer if chosen.layer is not None else loaded.default_layer
     model = loaded.model
-    used = any(get(name).reduced_precision for name in names)
-    device = model_device(model) or torch.device("cpu")
-    check_precision(precision, device, used=used)  # before any model work
-    explain_as_asked = partial(explain, precision=precision, channels_last=channels_last)
     cells, thumbnails = [], []
     measuring = _metrics_bar(len(paths), bar)
     for image_index, (label, image) in enumerate(zip(labels, images, strict=True)):
         inputs = as_batch(loaded.preprocess(image), model)
-        with torch.inference_mode():
-            probabilities = as_logits(model(inputs)).softmax(dim=-1)[0]
-        if not bool(torch.isfinite(probabilities).all()):
-            raise CamvizError(
-                f"the model's output for {label} is not finite (NaN or Inf); check the "
-                "weights (`camviz inspect` names the first layer that makes a NaN)"
-            )
-        class_id = int(probabilities.argmax())
+        probabilities, class_id = _top_class(model, inputs, label)
+        explained = [
+            partial(explain, model, inputs, name, layer, class_id, **method_options[name])
+            for name in names
+        ]
         if image_index == 0:
-            for name in names:  # warm-up, untimed (module docstring)
-                explain_as_asked(model, inputs, name, layer, class_id, **method_options[name])
-        heatmaps, seconds = [], []
-        for name in names:
-            started = time.perf_counter()
-            explained = explain_as_asked(
-                model, inputs, name, layer, class_id, **method_options[name]
-            )
-            heatmaps.append(explained.heatmaps[0])
-            if inputs.device.type == "cuda":
-                torch.cuda.synchronize(inputs.device)
-            seconds.append(time.perf_counter() - started)
+            for explain_one in explained:  # warm-up, untimed (module docstring)
+                explain_one()
+        timed = []  # (heatmap, seconds) per method
+        for name, explain_one in zip(names, explained, strict=True):
+            timed.append(_timed_heatmap(explain_one, inputs.device))
             if progress is not None:
                 with measuring.external_write_mode(file=sys.stderr):  # the line above the bar
-                    progress(f"{label}: {name} ({seconds[-1]:.2f} s)")
-        maps = torch.stack(heatmaps)
-        batch = inputs.expand(len(names), -1, -1, -1)
-        measuring.set_description(f"{label}: deletion")
-        deleted = deletion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
-        measuring.update(1)
-        measuring.set_description(f"{label}: insertion")
-        inserted = insertion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
-        measuring.update(1)
-        measuring.set_description(f"{label}: confidence")
-        confidences = confidence(model, batch, maps, class_id, batch_size=batch_size)
-        measuring.update(1)
+                    progress(f"{label}: {name} ({timed[-1][1]:.2f} s)")
+        maps = torch.stack([heatmap for heatmap, _ in timed])
+        deleted, inserted, confidences = _measured(
+            model, inputs, maps, class_id, steps, batch_size, measuring, label
+        )
         small = _thumbnail(image, thumbnail)
         thumbnails.append(small)
         for index, name in enumerate(names):
@@ -248,7 +244,7 @@ def compare(
                     class_id=class_id,
                     class_name=class_name(loaded.categories, class_id),
                     probability=float(probabilities[class_id]),
-                    seconds=seconds[index],
+                    seconds=timed[index][1],
                     fractions=deleted.fractions.tolist(),
                     deletion=deleted.scores[index].tolist(),
                     insertion=inserted.scores[index].tolist(),
@@ -260,13 +256,59 @@ def compare(
                 )
             )
     measuring.close()
-    return Comparison(
-        model=loaded.name,
-        methods=names,
-        images=labels,
-        thumbnails=thumbnails,
-        cells=cells,
-    )
+    return Comparison(loaded.name, names, labels, thumbnails, cells)
+
+
+def _top_class(model: nn.Module, inputs: torch.Tensor, label: str) -> tuple[torch.Tensor, int]:
+    """The model's class probabilities for one image, and its top class.
+
+    Raises:
+        CamvizError: The output is not finite.
+    """
+    with torch.inference_mode():
+        probabilities = as_logits(run_model(model, inputs)).softmax(dim=-1)[0]
+    if not bool(torch.isfinite(probabilities).all()):
+        raise CamvizError(
+            f"the model's output for {label} is not finite (NaN or Inf); check the "
+            "weights (`camviz inspect` names the first layer that makes a NaN)"
+        )
+    return probabilities, int(probabilities.argmax())
+
+
+def _timed_heatmap(
+    explain_one: Callable[[], Explanation], device: torch.device
+) -> tuple[torch.Tensor, float]:
+    """The heatmap of one explanation and its wall time (the GPU's work included)."""
+    started = time.perf_counter()
+    heatmap = explain_one().heatmaps[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return heatmap, time.perf_counter() - started
+
+
+def _measured(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    maps: torch.Tensor,
+    class_id: int,
+    steps: int,
+    batch_size: int,
+    measuring: Any,
+    label: str,
+) -> tuple[Curve, Curve, Confidence]:
+    """The deletion and insertion curves and the confidence of each method's map of one
+    image, each step shown on the ``measuring`` bar."""
+    batch = inputs.expand(len(maps), -1, -1, -1)
+    measuring.set_description(f"{label}: deletion")
+    deleted = deletion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
+    measuring.update(1)
+    measuring.set_description(f"{label}: insertion")
+    inserted = insertion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
+    measuring.update(1)
+    measuring.set_description(f"{label}: confidence")
+    confidences = confidence(model, batch, maps, class_id, batch_size=batch_size)
+    measuring.update(1)
+    return deleted, inserted, confidences
 
 
 def image_labels(paths: Sequence[str | Path]) -> list[str]:
@@ -510,26 +552,7 @@ def _cell_row(cell: Cell) -> dict[str, float | int | str]:
 
 
 def _write_csv(path: Path, rows: list[dict[str, float | int | str]]) -> None:
-    with atomic_write(path, "w") as file:
-        writer = csv.DictWriter(file, fieldnames=list(rows[0]), lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(
-            {key: spreadsheet_safe(value) for key, value in row.items()} for row in rows
-        )
-
-
-# First characters that make a spreadsheet read a cell as a formula (OWASP, CSV injection).
-_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
-
-
-def spreadsheet_safe(value: float | int | str) -> float | int | str:
-    """A text cell that would start a formula, with ``'`` in front; other values as they are.
-
-    Numbers are written by the csv module as numbers (a negative one stays ``-0.5``).
-    """
-    if isinstance(value, str) and value.startswith(_FORMULA_STARTS):
-        return "'" + value
-    return value
+    write_csv(path, list(rows[0]), [list(row.values()) for row in rows])
 
 
 def _mean(values: Iterable[float]) -> float:
