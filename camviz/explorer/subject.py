@@ -23,14 +23,14 @@ class scores per image.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from PIL import Image
 
-from camviz.core.detection import Adapter, DenseDetections, Detection, is_detection_output
+from camviz.core.detection import Adapter, DenseDetections, Detection
 from camviz.core.errors import CamvizError
 from camviz.core.layers import default_target_layer, layer_shapes
 from camviz.core.modelstate import eval_mode, exclusive
@@ -142,14 +142,14 @@ class Subject:
     def _read(self, output: Any) -> None:
         """Tell the task from an output, when the model did not say it."""
         if self.task is None:
-            if is_detection_output(output) or (
+            if _is_detections(output) or (
                 isinstance(output, torch.Tensor) and output.dim() == 3
             ):
                 self.task = "detection"
             else:
                 logits = as_logits(output)
                 self.task = "segmentation" if logits.dim() == 4 else "classification"
-        if self.task == "detection" and not is_detection_output(output) and self.adapter is None:
+        if self.task == "detection" and not _is_detections(output) and self.adapter is None:
             self.adapter = DenseDetections()
             self.reading = (
                 "raw dense predictions (N, anchors, 4 + classes), read with "
@@ -281,6 +281,15 @@ class Subject:
 
     def default_layer(self, inputs: torch.Tensor) -> str:
         return next(entry.name for entry in self.layers(inputs) if entry.default)
+
+
+def _is_detections(output: Any) -> bool:
+    """Whether ``output`` is torchvision's detections: one dict with ``boxes`` per image."""
+    return (
+        isinstance(output, (list, tuple))
+        and len(output) > 0
+        and all(isinstance(item, Mapping) and "boxes" in item for item in output)
+    )
 
 
 def _holds(box: Box, x: float, y: float) -> bool:
