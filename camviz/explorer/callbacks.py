@@ -87,20 +87,21 @@ def numbered(line: str, kind: str = "camviz-ok") -> str:
 
 
 def _guarded(handler: Handler) -> Handler:
-    """``handler`` with errors shown in the status line (see the module docstring)."""
+    """``handler`` with errors shown in the status line (see the module docstring); the
+    choices the user just made and that were not applied go back to what is shown."""
 
     @functools.wraps(handler)
     def guarded(self: Handlers, *args: Any, **kwargs: Any) -> Updates:
         try:
             return handler(self, *args, **kwargs)
         except CamvizError as error:
-            return {self.w.status: status_line(f"camviz: error: {first_line(error)}", True)}
+            line = status_line(f"camviz: error: {first_line(error)}", True)
         except Exception as error:  # a bug: say so, keep the traceback, keep serving
             traceback.print_exc()
-            line = f"camviz: internal error: {type(error).__name__}: {first_line(error)}"
-            return {
-                self.w.status: status_line(f"{line} (the server's log has the traceback)", True)
-            }
+            said = f"camviz: internal error: {type(error).__name__}: {first_line(error)}"
+            line = status_line(f"{said} (the server's log has the traceback)", True)
+        session = args[0] if args and isinstance(args[0], Session) else None
+        return {self.w.status: line} | (self._chosen(session) if session is not None else {})
 
     return guarded  # type: ignore[return-value]
 
@@ -180,9 +181,15 @@ class Handlers:
                 value=session.settings.layer if session.settings else None,
             ),
         }
+        cleared: Updates = {self.w.overlay: None, self.w.caption: "", self.w.panels: []}
         if session.chosen is None:
-            return updates | {self.w.status: status_line(f"{name}: {_nothing(session)}")}
-        shown = _merged(updates, self._show(session, _current(session), None))
+            line = status_line(f"{name}: {_nothing(session)}")
+            return updates | cleared | {self.w.status: line}
+        try:
+            shown = _merged(updates, self._show(session, _current(session), None))
+        except CamvizError as error:  # the image is shown; its map could not be made
+            line = status_line(f"camviz: error: {first_line(error)}", True)
+            return updates | cleared | {self.w.status: line}
         return shown | {self.w.status: status_line(f"{name}: explained {session.described()}")}
 
     # --- what is explained ----------------------------------------------------------------
@@ -249,22 +256,30 @@ class Handlers:
         _live(session).cancel.set()
         return {}
 
+    def _chosen(self, session: Session) -> Updates:
+        """The widgets that say what the current view is, set to it."""
+        index = next(
+            (i for i, found in enumerate(session.candidates) if found is session.chosen), None
+        )
+        settings = session.shown.settings if session.shown is not None else session.settings
+        if settings is None:
+            return {self.w.candidates: self.gr.update(value=index)}
+        return {
+            self.w.candidates: self.gr.update(value=index),
+            self.w.method: self.gr.update(value=settings.method),
+            self.w.layer: self.gr.update(value=settings.layer),
+        }
+
     def _show(
         self, session: Session, settings: Settings, progress: Any, candidate: Any = None
     ) -> Updates:
         """Explain with ``settings`` (and ``candidate``) and show it; the views that depend
         on the map follow."""
         session.show(settings, _reporter(progress), candidate)
-        index = next(
-            (i for i, found in enumerate(session.candidates) if found is session.chosen), None
-        )
-        updates: Updates = {
+        updates: Updates = self._chosen(session) | {
             self.w.overlay: view_overlay(session),
             self.w.caption: status_line(session.described()),
             self.w.status: status_line(f"explained {session.described()}"),
-            self.w.candidates: self.gr.update(value=index),
-            self.w.method: self.gr.update(value=settings.method),
-            self.w.layer: self.gr.update(value=settings.layer),
             self.w.panels: self._panels(session, progress),
             self.w.faithfulness: "",
         }

@@ -22,7 +22,7 @@ from typing import Any
 
 from camviz.cams.registry import names
 from camviz.explorer.callbacks import Handlers, Widgets, method_info
-from camviz.explorer.session import MAX_PANELS, format_options
+from camviz.explorer.session import DEFAULT_METHOD, MAX_PANELS, format_options
 from camviz.explorer.subject import Subject
 from camviz.io.colormaps import SHIPPED_NAMES
 
@@ -125,11 +125,11 @@ def _image_column(gr: ModuleType, subject: Subject, images: dict[str, str]) -> d
 def _settings_column(gr: ModuleType, subject: Subject) -> dict[str, Any]:
     return {
         "method": gr.Dropdown(
-            names(subject.model), value="gradcam", label="Method", elem_id="camviz-method"
+            names(subject.model), value=DEFAULT_METHOD, label="Method", elem_id="camviz-method"
         ),
-        "method_info": gr.HTML(method_info("gradcam"), elem_id="camviz-method-info"),
+        "method_info": gr.HTML(method_info(DEFAULT_METHOD), elem_id="camviz-method-info"),
         "options": gr.Textbox(
-            format_options("gradcam"),
+            format_options(DEFAULT_METHOD),
             lines=3,
             label="Options (name = value)",
             elem_id="camviz-options",

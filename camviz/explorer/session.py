@@ -36,7 +36,18 @@ from camviz.explorer.subject import MIN_SCORE, Candidate, LayerEntry, Subject
 if TYPE_CHECKING:
     from camviz.explorer.views import ChannelView
 
-__all__ = ["MAX_PANELS", "Panel", "Session", "Settings", "format_options", "parse_options"]
+__all__ = [
+    "DEFAULT_METHOD",
+    "MAX_PANELS",
+    "Panel",
+    "Session",
+    "Settings",
+    "format_options",
+    "parse_options",
+]
+
+#: The method a tab starts with.
+DEFAULT_METHOD = "gradcam"
 
 #: Panels side by side: the current view and up to three pinned ones.
 MAX_PANELS = 4
@@ -103,7 +114,7 @@ class Session:
         layer = self.subject.default_layer(inputs)
         if self.settings is not None and self.settings.layer in layers:
             layer = self.settings.layer
-        method = self.settings.method if self.settings is not None else "gradcam"
+        method = self.settings.method if self.settings is not None else DEFAULT_METHOD
         options = self.settings.options if self.settings is not None else ()
         self.image, self.image_name, self.inputs, self.output = image, name, inputs, output
         self.candidates = candidates

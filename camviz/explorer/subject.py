@@ -142,9 +142,7 @@ class Subject:
     def _read(self, output: Any) -> None:
         """Tell the task from an output, when the model did not say it."""
         if self.task is None:
-            if _is_detections(output) or (
-                isinstance(output, torch.Tensor) and output.dim() == 3
-            ):
+            if _is_detections(output) or (isinstance(output, torch.Tensor) and output.dim() == 3):
                 self.task = "detection"
             else:
                 logits = as_logits(output)

@@ -35,6 +35,9 @@ __all__ = ["CHANNELS_SHOWN", "ChannelView", "channel_view", "photo", "to_input",
 #: The most channels the channel view tiles (the strongest by weight).
 CHANNELS_SHOWN = 64
 
+# The method whose weights order the channels when the method shown has none.
+_WEIGHING = "gradcam"
+
 # Tiles per row of the channel grid, and the least side of a tile on screen, in pixels.
 _GRID_COLUMNS = 8
 _TILE_SIDE = 48
@@ -175,11 +178,11 @@ def _channel_weights(session: Session, settings: Settings) -> tuple[torch.Tensor
     chosen = session.chosen
     assert chosen is not None and session.inputs is not None  # checked by the caller
     with_gradcam = explain(
-        session.subject.model, session.inputs, "gradcam", settings.layer, chosen.target
+        session.subject.model, session.inputs, _WEIGHING, settings.layer, chosen.target
     )
     if not with_gradcam.weights or settings.layer not in with_gradcam.weights:
         raise CamvizError(f"{settings.layer} has no channel weights; pick a convolutional layer")
-    return with_gradcam.weights[settings.layer][0].float().cpu(), "gradcam"
+    return with_gradcam.weights[settings.layer][0].float().cpu(), _WEIGHING
 
 
 def _activations(session: Session, layer: str) -> torch.Tensor:
