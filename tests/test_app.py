@@ -16,6 +16,8 @@ import os
 import re
 import shutil
 import socket
+import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import fields
@@ -152,6 +154,8 @@ class Tab:
         """Click the pixel ``(x, y)`` of a picture, as Gradio maps clicks to pixels (the
         picture is shown contained in its box, never enlarged)."""
         image = self.page.locator(f"#{widget} img")
+        loaded = "(image) => image.complete && image.naturalWidth > 0"
+        self.page.wait_for_function(loaded, arg=image.element_handle(), timeout=WAIT_MS)
         box = image.bounding_box()
         width, height = image.evaluate("i => [i.naturalWidth, i.naturalHeight]")
         scale = min(box["width"] / width, box["height"] / height, 1)
@@ -455,6 +459,47 @@ def test_a_cancel_stops_a_perturbation_method_between_passes(classifier, untouch
     # One report per pass, rising to 1 when the 32 channels' copies (2 a pass) are done.
     assert len(full) == len(passes) > 16 and full == sorted(full) and full[-1] == 1.0
     assert full[-2] < 1.0 and session.explained is not shown
+
+
+def test_two_tabs_take_turns_with_one_model(classifier, cat_path):
+    from camviz.explorer.session import Session
+    from camviz.explorer.subject import Subject
+
+    subject = Subject(classifier)
+    tabs = [Session(subject), Session(subject)]
+    for tab in tabs:
+        tab.open(load_image(cat_path), "chelsea")
+    settings = tabs[0].with_settings(method="scorecam", options=(("batch_size", 4),))
+    alone: list[float] = []
+    tabs[0].show(settings, lambda fraction, text: alone.append(fraction))
+    running, most, guard = 0, 0, threading.Lock()
+
+    def entering(module: nn.Module, args: object) -> None:
+        nonlocal running, most
+        with guard:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.002)  # a chance for the other tab's pass to start meanwhile
+
+    def leaving(module: nn.Module, args: object, output: object) -> None:
+        nonlocal running
+        with guard:
+            running -= 1
+
+    reports: list[list[float]] = [[], []]
+    threads = [
+        threading.Thread(target=tab.show, args=(settings, lambda f, t, n=n: reports[n].append(f)))
+        for n, tab in enumerate(tabs)
+    ]
+    model = classifier.model
+    with model.register_forward_pre_hook(entering), model.register_forward_hook(leaving):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert most == 1  # one pass at a time
+    assert reports == [alone, alone]  # each tab's progress counts its own passes only
+    assert all(tab.explained is not None for tab in tabs)
 
 
 def test_without_gradio_the_command_says_what_to_install(monkeypatch, capsys):
