@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from camviz.cli.options import add_model_options
+from camviz.cli.options import add_model_options, add_precision_options
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -34,6 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the address to listen on; another than 127.0.0.1 lets other machines in "
         "(with a warning)",
     )
+    add_precision_options(parser)
     parser.set_defaults(run=run)
 
 
@@ -43,5 +44,13 @@ def run(args: argparse.Namespace) -> int:
     from camviz.explorer.server import app
 
     gradio()  # a missing Gradio is said before the model is loaded
-    app(load_model(args), args.images, port=args.port, host=args.host, block=True)
+    app(
+        load_model(args),
+        args.images,
+        port=args.port,
+        host=args.host,
+        block=True,
+        precision=args.precision,
+        channels_last=args.channels_last,
+    )
     return 0

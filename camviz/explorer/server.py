@@ -22,6 +22,7 @@ from typing import Any
 
 from camviz.core.detection import Adapter
 from camviz.core.errors import CamvizError, first_line
+from camviz.core.precision import Precision
 from camviz.explorer.framework import gradio, theme
 from camviz.explorer.subject import Subject, as_loaded
 
@@ -82,6 +83,8 @@ def app(
     host: str = "127.0.0.1",
     block: bool = True,
     adapter: Adapter | None = None,
+    precision: Precision = "fp32",
+    channels_last: bool = False,
 ) -> AppServer:
     """Serve a page to explore ``model`` in a browser: classes, objects or regions, methods
     and their options, layers, panels side by side, channels, faithfulness, export.
@@ -101,16 +104,19 @@ def app(
         adapter: For a detector whose output is not torchvision's list of dicts, what reads
             it (see :class:`camviz.Detection`); ``None`` reads a raw ``(N, anchors, 4 +
             classes)`` output with :class:`camviz.DenseDetections` defaults.
+        precision, channels_last: How the model's passes run, as in :func:`camviz.explain`
+            (the faithfulness numbers always in float32).
 
     Returns:
         The :class:`AppServer`, with its ``url``; ``close()`` stops it.
 
     Raises:
         CamvizError: Gradio is missing (``pip install "camviz[app]"``), the port is taken,
-            or the model or an image cannot be loaded.
+            the model or an image cannot be loaded, or the precision is not computed
+            natively.
     """
     gr = gradio()
-    subject = Subject(as_loaded(model), adapter)
+    subject = Subject(as_loaded(model), adapter, precision, channels_last)
     offered = _offered(images)
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise CamvizError(f"port must be a number from 0 to 65535, not {port!r}")

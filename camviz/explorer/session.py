@@ -184,7 +184,14 @@ class Session:
         ):
             warnings.simplefilter("always")
             explained = explain(
-                model, inputs, settings.method, settings.layer, self.chosen.target, **options
+                model,
+                inputs,
+                settings.method,
+                settings.layer,
+                self.chosen.target,
+                precision=self.subject.precision,
+                channels_last=self.subject.channels_last,
+                **options,
             )
         said = tuple(dict.fromkeys(_first_line(warning.message) for warning in caught))
         return Panel(settings, explained, time.perf_counter() - started, said)

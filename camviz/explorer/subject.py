@@ -32,12 +32,14 @@ from PIL import Image
 
 from camviz.core.detection import Adapter, DenseDetections, Detection
 from camviz.core.errors import CamvizError
+from camviz.core.inputs import model_device
 from camviz.core.layers import default_target_layer, layer_shapes
 from camviz.core.modelstate import eval_mode, exclusive
+from camviz.core.precision import Precision, check_precision, model_precision
 from camviz.core.targets import Region, Target, as_logits, class_name
 from camviz.io.models import LoadedModel, task_of
 
-__all__ = ["MIN_SCORE", "TOP_CLASSES", "Candidate", "LayerEntry", "Subject"]
+__all__ = ["MIN_SCORE", "TOP_CLASSES", "Candidate", "LayerEntry", "Subject", "as_loaded"]
 
 #: Classes offered for a classifier, best first.
 TOP_CLASSES = 5
@@ -104,15 +106,27 @@ class Subject:
         loaded: The model with its preprocessing, class names and task.
         adapter: For a detector whose output is not torchvision's list of dicts, what reads
             it (``None``: :class:`camviz.DenseDetections` for a raw 3-D output).
+        precision, channels_last: How the model's passes run (see :func:`camviz.explain`),
+            checked here, before anything is served.
     """
 
-    def __init__(self, loaded: LoadedModel, adapter: Adapter | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        adapter: Adapter | None = None,
+        precision: Precision = "fp32",
+        channels_last: bool = False,
+    ) -> None:
         if loaded.task == "video":
             raise CamvizError(
                 "the explorer shows still images; explain a video model with `camviz explain`"
             )
+        self.device = model_device(loaded.model) or torch.device("cpu")
+        check_precision(precision, self.device)
         self.loaded = loaded
         self.adapter = adapter
+        self.precision: Precision = precision
+        self.channels_last = channels_last
         self.task: Task | None = None if loaded.task == "classification" else loaded.task
         self.reading = ""  # how the output is read, once known
         self._layers: dict[tuple[int, ...], list[LayerEntry]] = {}
@@ -128,11 +142,16 @@ class Subject:
 
     def prepare(self, image: Image.Image) -> torch.Tensor:
         """The ``(1, 3, H, W)`` batch the model takes for ``image``."""
-        return self.loaded.preprocess(image).unsqueeze(0)
+        return self.loaded.preprocess(image).unsqueeze(0).to(self.device)
 
     def forward(self, inputs: torch.Tensor) -> Any:
         """The model's output for ``inputs``, read once its task is known."""
-        with exclusive(self.model), eval_mode(self.model), torch.inference_mode():
+        with (
+            exclusive(self.model),
+            model_precision(self.model, self.precision, self.channels_last),
+            eval_mode(self.model),
+            torch.inference_mode(),
+        ):
             output = self.model(inputs)
         with self._guard:
             if self.task is None or not self.reading:
@@ -261,7 +280,9 @@ class Subject:
         key = tuple(inputs.shape)
         if key not in self._layers:
             with exclusive(self.model):
-                rows = layer_shapes(self.model, inputs)
+                rows = layer_shapes(
+                    self.model, inputs, precision=self.precision, channels_last=self.channels_last
+                )
                 default = self.loaded.default_layer or default_target_layer(self.model, inputs)
             entries: dict[str, LayerEntry] = {}
             for name, kind, shape in rows:

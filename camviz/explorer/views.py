@@ -177,8 +177,15 @@ def _channel_weights(session: Session, settings: Settings) -> tuple[torch.Tensor
         return explained.weights[settings.layer][0].float().cpu(), settings.method
     chosen = session.chosen
     assert chosen is not None and session.inputs is not None  # checked by the caller
+    subject = session.subject
     with_gradcam = explain(
-        session.subject.model, session.inputs, _WEIGHING, settings.layer, chosen.target
+        subject.model,
+        session.inputs,
+        _WEIGHING,
+        settings.layer,
+        chosen.target,
+        precision=subject.precision,
+        channels_last=subject.channels_last,
     )
     if not with_gradcam.weights or settings.layer not in with_gradcam.weights:
         raise CamvizError(f"{settings.layer} has no channel weights; pick a convolutional layer")
@@ -187,10 +194,18 @@ def _channel_weights(session: Session, settings: Settings) -> tuple[torch.Tensor
 
 def _activations(session: Session, layer: str) -> torch.Tensor:
     """``(C, h, w)``: the layer's output on the current image (tokens laid on their grid)."""
-    model, inputs = session.subject.model, session.inputs
+    subject, inputs = session.subject, session.inputs
+    model = subject.model
     assert inputs is not None  # checked by the caller
     with exclusive(model):
-        output = features(model, inputs, [layer], device="cpu")[layer]
+        output = features(
+            model,
+            inputs,
+            [layer],
+            device="cpu",
+            precision=subject.precision,
+            channels_last=subject.channels_last,
+        )[layer]
     kind = module_kind(dict(model.named_modules())[layer])
     spatial = as_spatial(output, layer, inputs.shape[-2:], patch_size(model), kind)
     if spatial.dim() != 4:
