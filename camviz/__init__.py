@@ -49,6 +49,7 @@ _EXPORTS = {
     "TopK": "camviz.core.targets:TopK",
     "Tracker": "camviz.training.tracker:Tracker",
     "ZeroMapWarning": "camviz.core.errors:ZeroMapWarning",
+    "app": "camviz.explorer.server:app",
     "capture": "camviz.core.hooks:capture",
     "channel_grid": "camviz.io.render:channel_grid",
     "compare": "camviz.evaluation.report:compare",
@@ -140,6 +141,7 @@ if TYPE_CHECKING:
     from camviz.evaluation import synthetic as synthetic
     from camviz.evaluation.report import compare as compare
     from camviz.evaluation.report import write_report as write_report
+    from camviz.explorer.server import app as app
     from camviz.io import images as images
     from camviz.io import models as models
     from camviz.io import render as render

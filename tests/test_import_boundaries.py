@@ -22,7 +22,8 @@ ALLOWED = {
     "evaluation": {"core", "cams", "io", "debug", "evaluation"},
     "training": {"core", "cams", "io", "pipeline", "evaluation", "training"},
     "integrations": {"core", "cams", "training", "integrations"},
-    "cli": {"core", "cams", "io", "debug", "pipeline", "evaluation", "cli"},
+    "explorer": {"core", "cams", "io", "debug", "pipeline", "evaluation", "explorer"},
+    "cli": {"core", "cams", "io", "debug", "pipeline", "evaluation", "explorer", "cli"},
 }
 
 
