@@ -14,7 +14,7 @@ from camviz.cli.options import (
     add_precision_options,
     worker_count,
 )
-from camviz.cli.text import printable
+from camviz.cli.text import echo
 
 if TYPE_CHECKING:
     import torch
@@ -387,8 +387,8 @@ def _report(manifest: dict, out: str) -> None:
             f"{empty} map(s) are all zero: no positive evidence at the layer (their rows say "
             '"empty": true); try another --layer'
         )
-    print(printable(summary))
+    echo(summary)
 
 
 def _warn(line: str) -> None:
-    print(f"camviz: {printable(line)}", file=sys.stderr)
+    echo(f"camviz: {line}", stream=sys.stderr)

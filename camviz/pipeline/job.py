@@ -162,7 +162,7 @@ def explain_files(
     """Explain images, folders, globs, path lists and videos; write the results to a folder.
 
     See the module docstring for what is written, resuming, and ``torchrun``. The settings
-    are the keywords below or one :class:`~camviz.pipeline.settings.JobSettings` holding them
+    are keywords or one :class:`~camviz.pipeline.settings.JobSettings` holding them
     (``camviz explain`` builds one), not both.
 
     Args:
@@ -171,30 +171,12 @@ def explain_files(
             removed again if the job fails before writing anything into it.
         loaded: A model from :func:`camviz.models.load` (model, preprocessing, class names),
             on the device it should run on.
-        settings: All the settings below in one object.
-        method: A CAM method name (``camviz methods`` lists them).
-        layer: Target layer name(s); ``None`` uses the model's known default or finds one.
-        target: What to explain (class id, ``"top1"``, ``"top3"``, ...).
-        render: Colour map and blend weight of the overlays.
-        outputs: Which files to write per image.
-        batch_size: Images per forward pass.
-        workers: DataLoader processes that decode and preprocess images.
-        every: For videos, explain every ``every``-th frame.
-        writers: Threads that draw and write the files.
-        progress: A progress bar on stderr: ``True``, ``False``, or ``None`` (on a terminal).
-        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` forward passes (see
-            :func:`camviz.explain`).
-        channels_last: Channels-last inputs for the model (see :func:`camviz.explain`).
-        memory_budget: Bytes (or ``"512MiB"``) that the perturbed passes of Score-CAM,
-            SS-CAM, IS-CAM and Ablation-CAM may add (their ``memory_budget`` option; other
-            methods do not batch copies and ignore it). ``None``: the methods' default.
-        task_options: For detectors (``min_score``, ``max_objects``) and video models
-            (``clip_len``, ``stride``); ``None``: the defaults. A detector returns every
-            detection scored ``min_score`` or more during the run (see
-            :func:`camviz.pipeline.tasks.prepared`).
-        input_size: Scale images (frames) to this many pixels on their shorter side
-            instead of the model's size (for a detector: its own resize), see
-            :func:`camviz.models.with_input_size`.
+        settings: All the settings in one object.
+        **keywords: The settings one by one instead (``method``, ``layer``, ``target``,
+            ``render``, ``outputs``, ``batch_size``, ``workers``, ``every``, ``writers``,
+            ``progress``, ``precision``, ``channels_last``, ``memory_budget``,
+            ``task_options``, ``input_size``): each is the attribute of that name of
+            :class:`~camviz.pipeline.settings.JobSettings`, which says what it does.
 
     Returns:
         The summary, as written to ``out_dir/manifest.json`` (settings, counts, failures,
