@@ -47,7 +47,9 @@ _EXPORTS = {
     "Similarity": "camviz.core.similarity:Similarity",
     "Tokens": "camviz.core.layouts:Tokens",
     "TopK": "camviz.core.targets:TopK",
+    "Tracker": "camviz.training.tracker:Tracker",
     "ZeroMapWarning": "camviz.core.errors:ZeroMapWarning",
+    "app": "camviz.explorer.server:app",
     "capture": "camviz.core.hooks:capture",
     "channel_grid": "camviz.io.render:channel_grid",
     "compare": "camviz.evaluation.report:compare",
@@ -139,6 +141,7 @@ if TYPE_CHECKING:
     from camviz.evaluation import synthetic as synthetic
     from camviz.evaluation.report import compare as compare
     from camviz.evaluation.report import write_report as write_report
+    from camviz.explorer.server import app as app
     from camviz.io import images as images
     from camviz.io import models as models
     from camviz.io import render as render
@@ -153,6 +156,7 @@ if TYPE_CHECKING:
     from camviz.pipeline.dataset import ImageResult as ImageResult
     from camviz.pipeline.dataset import explain_dataset as explain_dataset
     from camviz.pipeline.job import explain_files as explain_files
+    from camviz.training.tracker import Tracker as Tracker
 
     # Type checkers do not evaluate the __all__ above; `X as X` re-exports a name, and an
     # export imported under another name is re-exported by listing it here.

@@ -20,7 +20,10 @@ ALLOWED = {
     "debug": {"core", "io", "debug"},
     "pipeline": {"core", "cams", "io", "debug", "pipeline"},
     "evaluation": {"core", "cams", "io", "debug", "evaluation"},
-    "cli": {"core", "cams", "io", "debug", "pipeline", "evaluation", "cli"},
+    "training": {"core", "cams", "io", "pipeline", "evaluation", "training"},
+    "integrations": {"core", "cams", "training", "integrations"},
+    "explorer": {"core", "cams", "io", "debug", "pipeline", "evaluation", "explorer"},
+    "cli": {"core", "cams", "io", "debug", "pipeline", "evaluation", "explorer", "cli"},
 }
 
 

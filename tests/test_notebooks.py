@@ -56,6 +56,25 @@ FACTS: dict[str, list[str]] = {
         "maps [(160, 240), (160, 240), (200, 160), (200, 160)] of images [0, 0, 1, 1]",
         "equal to the formula: True",
     ],
+    "07_models_from_everywhere.ipynb": [
+        "classification ['cat', 'dog', 'coffee'] | default layer",
+        "embedding | cosine with the prompt",
+        "equal to the cosine of get_image_features and get_text_features: True",
+        "3 boxes, 3 maps | layer network.model.6:input",
+        "boxes on the photo: True",
+        "heatmap (32, 32, 32) float32 | affine kept: True | codes 1 2",
+        "map peak in the ball: True",
+        "explained 1 of 1 inputs -> WORK/cli-vit/manifest.json",
+        "explained 1 of 1 inputs -> WORK/cli-clip/manifest.json",
+        "explained 1 of 1 inputs -> WORK/cli-yolo/manifest.json",
+        "explained 1 of 1 inputs -> WORK/cli-scan/manifest.json",
+        "did you mean `yolo:WORK/tiny-yolo.pt`",
+    ],
+    "09_training.ipynb": [
+        "the share of the map on the shape rose: True",
+        "steps explained: [0, 10, 19, 20, 30, 38]",
+        "probe 0 image logged at steps [0, 10, 19, 20, 30, 38]",
+    ],
 }
 
 

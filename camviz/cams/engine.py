@@ -88,6 +88,9 @@ class Explanation:
         boxes: For a :class:`~camviz.core.detection.Detection` target, ``(M, 4)`` the box
             of each explained detection (``x0, y0, x1, y1`` in the input's pixels);
             ``None`` for other targets.
+        reasons: Per input, why its target found nothing to explain there (its maps are
+            then zero), from :attr:`camviz.core.targets.Resolved.reasons`; ``None`` when
+            every input had something.
     """
 
     heatmaps: Maps
@@ -102,6 +105,7 @@ class Explanation:
     weights: dict[str, torch.Tensor] | None = None
     maps_by_input: dict[Key, Maps] | None = None
     boxes: torch.Tensor | None = None
+    reasons: tuple[str | None, ...] | None = None
 
 
 def explain(
@@ -501,4 +505,5 @@ def _explanation(
             }
         ),
         boxes=None if boxes is None else boxes.reshape(-1, 4).cpu(),
+        reasons=recorded.resolved.reasons,
     )

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from camviz.cli.options import (
     add_layout_option,
     add_memory_budget_option,
     add_model_options,
     add_precision_options,
-    input_size,
     worker_count,
 )
 from camviz.cli.text import printable
@@ -46,7 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         nargs="+",
         metavar="INPUT",
         help="image files, folders (searched recursively), glob patterns, .txt files listing "
-        "paths, or videos",
+        "paths, videos, or NIfTI volumes (.nii, .nii.gz)",
     )
     add_model_options(parser)
     _add_what_to_explain(parser)
@@ -56,8 +55,66 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_memory_budget_option(parser)
     add_layout_option(parser)
     _add_task_options(parser)
+    _add_volume_options(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
+
+
+def _add_volume_options(parser: argparse.ArgumentParser) -> None:
+    """How NIfTI volumes are read and cut into sliding windows."""
+    volumes = parser.add_argument_group(
+        "NIfTI volumes (written as NAME_heatmap.nii.gz with the scan's affine, and "
+        "NAME_montage.png)"
+    )
+    volumes.add_argument(
+        "--window",
+        type=_numbers(2, float),
+        default=None,
+        metavar="LOW,HIGH",
+        help="map intensities LOW..HIGH to 0..1, clipped (CT: -1000,400)",
+    )
+    volumes.add_argument(
+        "--percentile",
+        type=_numbers(2, float),
+        default=None,
+        metavar="LOW,HIGH",
+        help="window each scan at these percentiles of its intensities (MR: 0.5,99.5)",
+    )
+    volumes.add_argument(
+        "--roi-size",
+        type=_numbers(3, int),
+        default=None,
+        metavar="D,H,W",
+        help="explain in sliding windows of this size, along the scan's voxel axes (default: "
+        "the whole volume, when it fits --memory-budget)",
+    )
+    volumes.add_argument(
+        "--overlap", type=float, default=0.25, help="share of a window the next overlaps"
+    )
+    volumes.add_argument(
+        "--blend",
+        choices=("constant", "gaussian"),
+        default="constant",
+        help="weights of overlapping windows' outputs (MONAI's modes)",
+    )
+
+
+def _numbers(count: int, kind: type) -> Any:
+    """An argparse ``type=`` for ``count`` numbers of ``kind`` separated by commas."""
+
+    def parse(text: str) -> tuple:
+        parts = text.split(",")
+        try:
+            values = tuple(kind(part) for part in parts)
+        except ValueError:
+            values = ()
+        if len(values) != count:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {count} {kind.__name__} numbers separated by commas"
+            )
+        return values
+
+    return parse
 
 
 def _add_what_to_explain(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +166,7 @@ def _add_outputs(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_batches(parser: argparse.ArgumentParser) -> None:
-    """Batches, decoding workers, frames, the device and the input size."""
+    """Batches, decoding workers, frames and the device."""
     parser.add_argument(
         "--batch-size", type=_positive, default=16, metavar="N", help="images per batch"
     )
@@ -131,14 +188,6 @@ def _add_batches(parser: argparse.ArgumentParser) -> None:
         "--device",
         default=None,
         help="where the model runs (cpu, cuda, cuda:1); by default this process's GPU if any",
-    )
-    parser.add_argument(
-        "--input-size",
-        type=input_size,
-        default=None,
-        metavar="PIXELS",
-        help="scale each image's shorter side to PIXELS instead of the model's size (for a "
-        "detector: its own resize)",
     )
 
 
@@ -206,12 +255,15 @@ def _not_negative(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from camviz.cli.options import load_model
     from camviz.io.pictures import check_render_options
+    from camviz.io.volumes import is_volume
     from camviz.pipeline import distributed
     from camviz.pipeline.job import explain_files
 
     check_render_options(args.alpha, args.colormap)
     context = distributed.from_environment()
     device = _device(args.device) if args.device else distributed.device(context)
+    if args.task is None and all(is_volume(name) for name in args.inputs):
+        args.task = "volume"  # a 3-D model of NIfTI scans, not of video clips
     loaded = load_model(args)
     loaded.model.to(device)
     manifest = explain_files(args.inputs, args.out, loaded, _settings(args, loaded))
@@ -225,6 +277,7 @@ def _settings(args: argparse.Namespace, loaded: object) -> JobSettings:
     from camviz.cli.options import explain_settings
     from camviz.pipeline.settings import JobSettings, Outputs, RenderOptions
     from camviz.pipeline.tasks import TaskOptions
+    from camviz.pipeline.volumes import VolumeOptions
 
     target = int(args.target) if args.target.lstrip("-").isdigit() else args.target
     if args.similar_to is not None:
@@ -246,6 +299,13 @@ def _settings(args: argparse.Namespace, loaded: object) -> JobSettings:
             stride=args.stride,
         ),
         input_size=args.input_size,
+        volumes=VolumeOptions(
+            window=args.window,
+            percentile=args.percentile,
+            roi_size=args.roi_size,
+            overlap=args.overlap,
+            blend=args.blend,
+        ),
     )
 
 

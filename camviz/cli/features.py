@@ -20,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "titled with their indices, under the layer name).",
     )
     parser.add_argument("image", metavar="IMAGE", help="an image file")
-    add_model_options(parser)
+    add_model_options(parser, channels_flag="--input-channels")
     parser.add_argument(
         "--layer",
         action="append",

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from camviz.core.layers import layer_shapes
 
     loaded = load_model(args)
-    inputs = torch.zeros(1, 3, args.size, args.size)
+    inputs = torch.zeros(1, loaded.preprocess.channels, args.size, args.size)
     try:
         rows = layer_shapes(
             loaded.model, inputs, precision=args.precision, channels_last=args.channels_last

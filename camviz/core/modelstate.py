@@ -201,15 +201,18 @@ class DetectorInputSize(_SetAttributes):
 
     Each ``GeneralizedRCNNTransform`` in the model gets ``min_size = (size,)`` and a
     longer side of at most ``size`` times its own ratio of ``max_size`` to ``min_size``; a
-    fixed-size one (SSD) resizes to ``size x size``.
+    fixed-size one (SSD) resizes to ``size x size``. A letterboxing detector (Ultralytics',
+    :class:`~camviz.core.placement.CentredLetterbox`) fits its images in ``size x size``.
     """
 
     size: int
 
     def settings(self, model: nn.Module) -> Sequence[Setting]:
-        from camviz.core.placement import detector_transforms
+        from camviz.core.placement import detector_transforms, letterboxes
 
-        settings: list[Setting] = []
+        settings: list[Setting] = [
+            (letterbox, "size", self.size) for letterbox in letterboxes(model)
+        ]
         transform: Any  # torchvision's GeneralizedRCNNTransform
         for transform in detector_transforms(model):
             ratio = transform.max_size / transform.min_size[0]

@@ -117,6 +117,9 @@ class Comparison:
         images: The images' file names.
         thumbnails: Each image, as a thumbnail.
         cells: One :class:`Cell` per image and method, image-major.
+        explained: What every map explains, for the page's introduction.
+        curve_score: What the curves follow: ``"probability"`` (of the class) or ``"score"``
+            (the raw score of a target that has no probability: a region, an object).
     """
 
     model: str
@@ -124,6 +127,8 @@ class Comparison:
     images: list[str]
     thumbnails: list[Image.Image] = field(repr=False)
     cells: list[Cell]
+    explained: str = "the model's top-1 class"
+    curve_score: str = "probability"
 
     def cell(self, image: int, method: int) -> Cell:
         """The cell of the ``image``-th image and ``method``-th method."""
@@ -355,7 +360,7 @@ def report_html(comparison: Comparison) -> str:
         heading=html.escape(title),
         intro=html.escape(
             f"{len(comparison.images)} image(s) x {len(comparison.methods)} method(s), each "
-            "explained for the model's top-1 class. Curves: probability of that class as "
+            f"explained for {comparison.explained}. Curves: {comparison.curve_score} of it as "
             "pixels are deleted (red) or inserted (blue), most important first."
         ),
         summary=_summary_table(comparison),
