@@ -314,6 +314,7 @@ def test_yolo_still_backpropagates_after_camviz_picked_its_layer(config: str) ->
 
 
 def test_an_ultralytics_yolo_wrapper_is_explained_through_its_network() -> None:
+    tp.yolo("yolov8n")  # Ultralytics imported as camviz imports it
     from ultralytics import YOLO
 
     wrapper = YOLO("yolov8n.yaml")  # built from the yaml: nothing is downloaded

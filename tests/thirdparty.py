@@ -4,7 +4,8 @@ them.
 
 Every builder is cached, so one test session builds each model once (camviz hands a model
 back as it came, so tests may share it); nothing is downloaded. Ultralytics runs offline,
-with its settings in a temporary folder: the environment is set here, before it is imported.
+with its settings in a temporary folder: the environment is set here, before it is imported
+(through camviz's own import, which undoes Ultralytics' patches of Pillow and torch).
 """
 
 from __future__ import annotations
@@ -340,19 +341,17 @@ YOLO_CONFIGS = ("yolov8n", "yolo11n")
 def yolo(config: str, task: str = "detect") -> nn.Module:
     """An Ultralytics model from its yaml (``"yolov8n"``, ``"yolo11n"``; task ``"detect"``,
     ``"segment"`` or ``"classify"``), scaled to an eighth of the width, 3 classes."""
-    from ultralytics.nn.tasks import (
-        ClassificationModel,
-        DetectionModel,
-        SegmentationModel,
-        yaml_model_load,
-    )
+    # Imported as camviz imports it: offline, and with Pillow's and torch's functions that
+    # Ultralytics patches put back (later tests read bad images with Pillow's own opener).
+    from camviz.io.sources.ultralytics import import_ultralytics
 
+    tasks = import_ultralytics()
     suffix = {"detect": "", "segment": "-seg", "classify": "-cls"}[task]
-    built = {"detect": DetectionModel, "segment": SegmentationModel}
-    cfg = yaml_model_load(f"{config}{suffix}.yaml")
+    built = {"detect": tasks.DetectionModel, "segment": tasks.SegmentationModel}
+    cfg = tasks.yaml_model_load(f"{config}{suffix}.yaml")
     cfg["scales"] = {"n": [0.33, 0.125, 1024]}
     torch.manual_seed(0)
-    model = built.get(task, ClassificationModel)(cfg, nc=3, verbose=False)
+    model = built.get(task, tasks.ClassificationModel)(cfg, nc=3, verbose=False)
     return model.eval()
 
 

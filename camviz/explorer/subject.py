@@ -35,7 +35,7 @@ from camviz.core.detection import Adapter, DenseDetections, Detection
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import model_device
 from camviz.core.layers import default_target_layer, layer_shapes
-from camviz.core.modelstate import changed, eval_mode, exclusive
+from camviz.core.modelstate import changed, eval_mode, exclusive, no_grad
 from camviz.core.precision import Precision, check_precision, model_precision
 from camviz.core.targets import Region, Target, as_logits, class_name
 from camviz.io.models import LoadedModel, task_of
@@ -171,7 +171,7 @@ class Subject:
             self.using(),
             model_precision(self.model, self.precision, self.channels_last),
             eval_mode(self.model),
-            torch.inference_mode(),
+            no_grad(),
         ):
             output = self.model(inputs)
         with self._guard:

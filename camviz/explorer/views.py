@@ -25,6 +25,7 @@ from camviz.cams.layout import as_spatial, patch_size
 from camviz.cams.registry import get
 from camviz.core.errors import CamvizError
 from camviz.core.layerkinds import module_kind
+from camviz.core.lineage import Lineage
 from camviz.debug.extraction import features
 from camviz.explorer.session import Session, Settings
 from camviz.io.render import SALIENCY_PERCENTILE, channel_grid, draw_box, overlay, select_channels
@@ -197,7 +198,7 @@ def _activations(session: Session, layer: str) -> torch.Tensor:
     subject, inputs = session.subject, session.inputs
     model = subject.model
     assert inputs is not None  # checked by the caller
-    with subject.using():
+    with subject.using(), Lineage(inputs) as lineage:  # where patch tokens are
         output = features(
             model,
             inputs,
@@ -206,8 +207,9 @@ def _activations(session: Session, layer: str) -> torch.Tensor:
             precision=subject.precision,
             channels_last=subject.channels_last,
         )[layer]
-    kind = module_kind(dict(model.named_modules())[layer])
-    spatial = as_spatial(output, layer, inputs.shape[-2:], patch_size(model), kind)
+    kind = module_kind(dict(model.named_modules())[layer], tuple(output.shape))
+    tokens = lineage.token_grid(output)
+    spatial = as_spatial(output, layer, inputs.shape[-2:], patch_size(model), kind, tokens)
     if spatial.dim() != 4:
         raise CamvizError(f"{layer}'s output is not an image-like map; pick another layer")
     return spatial[0].float()
