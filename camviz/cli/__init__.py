@@ -24,7 +24,16 @@ from camviz import __version__
 from camviz.cli.text import Parser, printable
 from camviz.core.errors import CamvizError, first_line
 
-SUBCOMMANDS = ("explain", "layers", "methods", "features", "inspect", "compare")
+SUBCOMMANDS = (
+    "explain",
+    "layers",
+    "methods",
+    "features",
+    "inspect",
+    "compare",
+    "units",
+    "visualize",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

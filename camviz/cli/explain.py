@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING
 
 from camviz.cli.options import (
     add_memory_budget_option,
@@ -13,9 +12,6 @@ from camviz.cli.options import (
     add_precision_options,
 )
 from camviz.cli.text import printable
-
-if TYPE_CHECKING:
-    import torch
 
 # Skipped inputs listed on stderr; the manifest has them all.
 _LISTED_FAILURES = 10
@@ -178,7 +174,7 @@ def _not_negative(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from camviz.cli.options import load_model
+    from camviz.cli.options import load_model, model_device_option
     from camviz.io.render import check_render_options
     from camviz.pipeline import distributed
     from camviz.pipeline.job import Outputs, RenderOptions, explain_files
@@ -188,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     outputs = Outputs(overlay=args.overlay, panel=args.panel, heatmap=args.heatmap)
     target = int(args.target) if args.target.lstrip("-").isdigit() else args.target
     context = distributed.from_environment()
-    device = _device(args.device) if args.device else distributed.device(context)
+    device = model_device_option(args.device, context)
     loaded = load_model(args)
     loaded.model.to(device)
     if args.similar_to is not None:
@@ -229,34 +225,6 @@ def _similarity(path: str, loaded: object) -> object:
 
     reference = loaded.preprocess(load_image(path))  # type: ignore[attr-defined]
     return Similarity(reference.unsqueeze(0), name=os.path.basename(path))
-
-
-# Device types that hold data a model can run on (``meta`` holds none).
-_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
-
-
-def _device(name: str) -> torch.device:
-    """The device ``--device`` names, checked to exist here; else one line saying so."""
-    import torch
-
-    from camviz.core.errors import CamvizError, first_line
-
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise CamvizError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
-    if device.type not in _DEVICE_TYPES:
-        raise CamvizError(
-            f"camviz cannot run a model on the {device.type!r} device; use cpu, cuda or cuda:N"
-        )
-    try:
-        torch.empty(1, device=device)
-    except (RuntimeError, AssertionError) as error:
-        raise CamvizError(
-            f"device {name!r} is not available here ({first_line(error)}); use --device cpu, "
-            "or leave --device out to use a GPU when there is one"
-        ) from None
-    return device
 
 
 def _report(manifest: dict, out: str) -> None:

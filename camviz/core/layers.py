@@ -100,12 +100,16 @@ def _unknown_layer_message(name: str, candidates: Sequence[str]) -> str:
     return f"no layer named {name!r} in the model; {hint}"
 
 
-# Default layers are found with one dry run; remember them per model and spatial rank of the
-# input so that a loop over batches pays for that run once.
-_default_cache: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
+# Default layers are found with one dry run; remember them per model, spatial rank of the
+# input and layer they must come before, so that a loop over batches pays for that run once.
+_default_cache: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, str | None], str]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def default_target_layer(model: nn.Module, inputs: torch.Tensor | Inputs) -> str:
+def default_target_layer(
+    model: nn.Module, inputs: torch.Tensor | Inputs, before: str | None = None
+) -> str:
     """The layer to explain when none is named: by the model's family, else the last layer,
     in call order, whose output is a spatial map.
 
@@ -135,11 +139,15 @@ def default_target_layer(model: nn.Module, inputs: torch.Tensor | Inputs) -> str
     the class token, so its input has a gradient at every patch. The model's train/eval
     modes are left as they were.
 
+    ``before`` names a layer (a :class:`~camviz.Unit`'s): the answer is then the last layer
+    with a spatial (or token) output that finishes before that layer starts, whose output
+    the layer reads, whatever the model's family.
+
     Raises:
-        CamvizError: No layer produces a spatial output, or the batch is empty (and the
-            model is none of the families above).
+        CamvizError: No layer produces a spatial output (before ``before``), ``before`` does
+            not run, or the batch is empty (and the model is none of the families above).
     """
-    by_family = family_layer(model)  # no model call: also for inputs it takes otherwise
+    by_family = None if before is not None else family_layer(model)  # no model call
     if by_family is not None:
         return by_family
     batch = inputs if isinstance(inputs, Inputs) else as_inputs(inputs, model)
@@ -150,8 +158,8 @@ def default_target_layer(model: nn.Module, inputs: torch.Tensor | Inputs) -> str
         )
     rank = batch.main.dim() - 2
     per_model = _default_cache.setdefault(model, {})
-    if rank in per_model:
-        return per_model[rank]
+    if (rank, before) in per_model:
+        return per_model[rank, before]
     attention_inputs: list[int] = []  # how many calls had ended when each attention began
 
     def before_attention(module: nn.Module, args: object) -> None:
@@ -163,23 +171,47 @@ def default_target_layer(model: nn.Module, inputs: torch.Tensor | Inputs) -> str
                 hooks.add(module.register_forward_pre_hook(before_attention))
         batch.replaced({}, torch.zeros(1, dtype=torch.long, device=batch.main.device))(model)
     kinds = [_output_kind(log, index, rank) for index in range(len(log.calls))]
-    found = None
+    if before is None:
+        found = _last_map(log, kinds, attention_inputs)
+    else:
+        found = _last_map_before(log, kinds, before)
+    per_model[rank, before] = found
+    return found
+
+
+def _last_map(log: CallLog, kinds: Sequence[str | None], attention_inputs: Sequence[int]) -> str:
+    """The last call with a map output, or for a transformer the input of its last
+    attention (see :func:`default_target_layer`)."""
     candidates = [index for index, kind in enumerate(kinds) if kind is not None]
-    if candidates and kinds[candidates[-1]] == "tokens":
-        tokens = [index for index in candidates if kinds[index] == "tokens"]
-        before = [
-            max(i for i in tokens if i < start) for start in attention_inputs if tokens[0] < start
-        ]
-        found = log.calls[before[-1] if before else tokens[-1]].name
-    elif candidates:
-        found = log.calls[candidates[-1]].name
-    if found is None:
+    if not candidates:
         raise CamvizError(
             "could not find a layer with a spatial output to explain; pass layer=NAME "
             "(`camviz layers --model NAME` lists them)"
         )
-    per_model[rank] = found
-    return found
+    if kinds[candidates[-1]] != "tokens":
+        return log.calls[candidates[-1]].name
+    tokens = [index for index in candidates if kinds[index] == "tokens"]
+    before = [
+        max(i for i in tokens if i < start) for start in attention_inputs if tokens[0] < start
+    ]
+    return log.calls[before[-1] if before else tokens[-1]].name
+
+
+def _last_map_before(log: CallLog, kinds: Sequence[str | None], layer: str) -> str:
+    """The last call with a map or token output that ended before ``layer`` began."""
+    start = log.starts.get(layer)
+    if start is None:
+        raise CamvizError(
+            f"layer {layer!r} did not run in the forward pass; pick a layer that the model "
+            "uses (`camviz layers` lists them with shapes)"
+        )
+    earlier = [index for index in range(start) if kinds[index] is not None]
+    if not earlier:
+        raise CamvizError(
+            f"no layer with a spatial output runs before {layer!r}; pass layer=NAME, or "
+            "at='input' to explain at the layer's own input"
+        )
+    return log.calls[earlier[-1]].name
 
 
 def family_layer(model: nn.Module) -> str | None:

@@ -1,0 +1,69 @@
+"""Reading a unit's layer spot during a pass: the tensor the rest of the network got, and
+its ``(N, C, *grid)`` view (tokens: the patch tokens on their grid)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from camviz.cams.layout import as_spatial, patch_size
+from camviz.core.errors import CamvizError
+from camviz.core.layerkinds import module_kind
+from camviz.core.taps import edit_spots, parse
+
+__all__ = ["outputs_at", "spatial_view"]
+
+
+class _PassStoppedError(Exception):
+    """Raised from a hook once every spot asked for has run: the rest of the pass is not
+    needed."""
+
+
+def outputs_at(
+    model: nn.Module, inputs: torch.Tensor, spots: Sequence[str], *, finish: bool = False
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """The tensors at ``spots`` for ``inputs`` (as the rest of the network gets them, in the
+    graph when grad mode is on), and the model's output when ``finish``. Without
+    ``finish`` the pass stops once the last spot has run: the layers after it are not
+    computed, and the output is ``None``.
+
+    Raises:
+        CamvizError: A spot did not run, or holds no tensor.
+    """
+    seen: dict[str, torch.Tensor] = {}
+
+    def keeper(spot: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            seen.setdefault(spot, tensor)
+            if len(seen) == len(spots) and not finish:
+                raise _PassStoppedError
+            return tensor
+
+        return keep
+
+    output = None
+    try:
+        with edit_spots(model, {spot: keeper(spot) for spot in spots}):
+            output = model(inputs)
+    except _PassStoppedError:
+        pass
+    missing = [spot for spot in spots if spot not in seen]
+    if missing:
+        raise CamvizError(
+            f"layer {missing[0]!r} did not run in the forward pass; pick a layer that the "
+            "model uses (`camviz layers` lists them with shapes)"
+        )
+    return seen, output
+
+
+def spatial_view(
+    model: nn.Module, spot: str, tensor: torch.Tensor, input_size: Sequence[int]
+) -> torch.Tensor:
+    """``tensor`` (the output or input at ``spot``) as ``(N, C, *grid)``: channels first as
+    it is, channels last moved, tokens on their patch grid without the leading tokens. The
+    layout is told from the spot's module, as the engine tells it."""
+    module = dict(model.named_modules())[parse(spot).name]
+    return as_spatial(tensor, spot, input_size, patch_size(model), module_kind(module))
