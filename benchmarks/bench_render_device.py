@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from camviz.io.render import PANEL_TILE_WIDTH, overlay, panel_image
-from camviz.io.render import _resized_pixels as torch_resize
+from camviz.io.pictures import PANEL_TILE_WIDTH, overlay, panel_image
+from camviz.io.pictures import _resized_pixels as torch_resize
 
 PHOTO = Path(__file__).resolve().parent.parent / "assets" / "chelsea.png"
 

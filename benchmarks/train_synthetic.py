@@ -37,7 +37,7 @@ from camviz.evaluation.synthetic import (
     make_dataset,
     make_scenes,
 )
-from camviz.io.render import atomic_write
+from camviz.io.atomic import atomic_write
 
 TRAIN_SEED = 0
 HELD_OUT_SEED = 1

@@ -19,8 +19,9 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
-import warnings
 from typing import TYPE_CHECKING, Any
+
+from camviz._deprecation import warn_moved
 
 __version__ = "0.2.0"
 
@@ -78,7 +79,8 @@ PUBLIC_MODULES = {
 }
 
 # Module paths of release 0.1 that moved in 0.2. They keep working until 0.3, with a
-# DeprecationWarning that names the new path (see CHANGELOG.md).
+# DeprecationWarning that names the new path (see CHANGELOG.md); names that moved out of a
+# public module warn the same way (camviz._deprecation).
 MOVED_MODULES = {
     "camviz.dataset": "camviz.pipeline.dataset",
     "camviz.distributed": "camviz.pipeline.distributed",
@@ -161,11 +163,7 @@ class _AliasLoader(importlib.abc.Loader):
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         if self.deprecated:
-            warnings.warn(
-                f"{spec.name} moved to {self.target}; the old path goes away in camviz 0.3",
-                DeprecationWarning,
-                stacklevel=3,
-            )
+            warn_moved(spec.name, self.target, stacklevel=2)
         module = importlib.import_module(self.target)
         self.target_spec = module.__spec__
         return module

@@ -14,7 +14,8 @@ import camviz
 from camviz.cli import main
 from camviz.io import models
 from camviz.io.images import Preprocess, load_image
-from camviz.io.render import BOX_COLOUR, PANEL_TILE_WIDTH, overlay
+from camviz.io.pictures import PANEL_TILE_WIDTH
+from camviz.io.render import BOX_COLOUR, overlay
 from camviz.pipeline import dataset, job, tasks
 
 SEGMENTER = "deeplabv3_mobilenet_v3_large"

@@ -16,9 +16,9 @@ from matplotlib.figure import Figure
 from PIL import Image
 
 from camviz.core.errors import CamvizError
-from camviz.io import render
+from camviz.io.atomic import atomic_path, atomic_write, is_temporary
+from camviz.io.pictures import check_render_options
 from camviz.io.render import (
-    atomic_write,
     channel_figure,
     channel_grid,
     colorize,
@@ -149,9 +149,9 @@ def test_bad_alpha_and_colour_map_are_refused(image: Image.Image) -> None:
     ("alpha", "colormap", "message"), [(-0.1, "jet", "alpha"), (0.5, "jett", "did you mean jet")]
 )
 def test_render_options_are_checked_up_front(alpha: float, colormap: str, message: str) -> None:
-    render.check_render_options(0.0, "turbo")
+    check_render_options(0.0, "turbo")
     with pytest.raises(CamvizError, match=message):
-        render.check_render_options(alpha, colormap)
+        check_render_options(alpha, colormap)
 
 
 # Channels
@@ -354,6 +354,20 @@ def test_atomic_write_keeps_the_old_file_when_the_writer_fails(tmp_path: Path) -
     assert list(tmp_path.iterdir()) == [target]
 
 
+def test_atomic_path_replaces_the_file_only_when_the_writer_succeeds(tmp_path: Path) -> None:
+    target = tmp_path / "clips" / "clip.mp4"
+    with atomic_path(target, keep_suffix=True) as temporary:
+        assert temporary.parent == target.parent and temporary.name.startswith(".clip.mp4.")
+        assert temporary.suffix == ".mp4" and is_temporary(temporary.name)
+        temporary.write_bytes(b"first")
+    assert target.read_bytes() == b"first"
+    with pytest.raises(WriterError), atomic_path(target) as temporary:
+        temporary.write_bytes(b"half a video")
+        raise WriterError
+    assert target.read_bytes() == b"first"
+    assert list(target.parent.iterdir()) == [target]
+
+
 def test_a_figure_that_fails_to_render_leaves_no_file(
     tmp_path: Path, image: Image.Image, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -392,7 +406,7 @@ def test_an_unwritable_folder_is_one_line(tmp_path: Path, monkeypatch: pytest.Mo
     def denied(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(render.os, "open", denied)
+    monkeypatch.setattr(os, "open", denied)
     with pytest.raises(CamvizError, match=r"cannot write .*cat\.png \(Permission denied\)"):
         save(Image.new("RGB", (2, 2)), tmp_path / "cat.png")
 
@@ -403,7 +417,7 @@ def test_a_failed_rename_removes_the_temporary_file(
     def refuse(source, target):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(render.os, "replace", refuse)
+    monkeypatch.setattr(os, "replace", refuse)
     with pytest.raises(CamvizError, match="Permission denied"):
         save(Image.new("RGB", (2, 2)), tmp_path / "cat.png")
     assert list(tmp_path.iterdir()) == []

@@ -12,10 +12,11 @@ from conftest import conv_net
 from PIL import Image
 
 from camviz.core.maps import upsample
-from camviz.io import render
+from camviz.io import pictures
 from camviz.io.images import Preprocess
 from camviz.io.models import LoadedModel
-from camviz.io.render import clipped, overlay, panel_image
+from camviz.io.pictures import clipped
+from camviz.io.render import overlay, panel_image
 
 
 @pytest.fixture
@@ -63,8 +64,8 @@ def test_panel_tiles_equal_the_pillow_drawn_ones_within_one_level(photo, heatmap
     values = upsample(clipped(heatmap, clip)[None], (height, width))[0].clamp(0, 1).numpy()
     colours = matplotlib.colormaps["jet"](values, bytes=True)[..., :3]
     blended = np.rint(0.5 * tile.astype(np.float64) + 0.5 * colours.astype(np.float64))
-    gap = render._PANEL_GAP
-    top = gap + render._CAPTION_SIZE + gap // 2  # no title
+    gap = pictures._PANEL_GAP
+    top = gap + pictures._CAPTION_SIZE + gap // 2  # no title
     for number, expected in enumerate((tile, colours, blended)):
         left = gap + number * (width + gap)
         _within_a_level(drawn[top : top + height, left : left + width], expected)
@@ -75,7 +76,7 @@ def test_large_downscales_give_pillows_exact_resize(photo):
     """From 4x down Pillow's panels took its reducing_gap shortcut (a box filter first);
     torch resizes exactly, as Pillow does without the shortcut."""
     pixels = torch.from_numpy(np.array(photo))
-    tile = render._resized_pixels(pixels, (24, 18)).numpy()
+    tile = pictures._resized_pixels(pixels, (24, 18)).numpy()
     _within_a_level(tile, np.asarray(photo.resize((24, 18), Image.Resampling.BILINEAR)))
 
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from camviz import render
 from camviz.core.errors import CamvizError
+from camviz.io import output
+from camviz.io.figures import SIGNED_COLORMAP
 from camviz.io.video import frame_count
 
 
@@ -23,7 +26,7 @@ def test_a_signal_gets_its_map_as_a_band_with_a_diverging_scale_centred_on_zero(
     (band,) = images_of(figure)
     np.testing.assert_allclose(band.get_array()[0], heatmap.numpy(), rtol=1e-6)
     assert band.get_clim() == (-2.0, 2.0)
-    assert band.get_cmap().name == render.SIGNED_COLORMAP
+    assert band.get_cmap().name == SIGNED_COLORMAP
     lines = [line.get_ydata() for ax in figure.axes for line in ax.get_lines()]
     np.testing.assert_allclose(np.stack(lines), signal.numpy())
     per_channel = render.signal_figure(signal, heatmap.clamp(0, 1), per_channel=True)
@@ -73,3 +76,28 @@ def test_a_clip_becomes_an_overlay_video(tmp_path):
     with pytest.raises(CamvizError, match="NaN"):
         render.clip_video(clip, torch.full((5, 32, 32), float("nan")), tmp_path / "bad.mp4")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
+
+
+@pytest.mark.parametrize("channels", [3, 1])
+def test_a_clip_hands_its_overlays_to_the_video_writer_without_picture_files(
+    tmp_path, monkeypatch, channels
+):
+    clip, heatmap = torch.rand(channels, 4, 8, 10), torch.rand(4, 8, 10)
+    handed = []
+
+    def writer(frames, path, fps):
+        handed.extend(frames)
+        return len(handed)
+
+    def no_files(*args, **kwargs):
+        raise AssertionError("a frame was written to a file")
+
+    monkeypatch.setattr(output, "write_video", writer)
+    monkeypatch.setattr(Image.Image, "save", no_files)
+    render.clip_video(clip, heatmap, tmp_path / "clip.mp4", alpha=0.4, colormap="viridis")
+    assert len(handed) == 4
+    for index, picture in enumerate(handed):
+        pixels = np.rint(clip[:, index].expand(3, -1, -1).permute(1, 2, 0).numpy() * 255)
+        frame = Image.fromarray(pixels.astype(np.uint8))
+        expected = render.overlay(frame, heatmap[index], 0.4, "viridis")
+        assert np.array_equal(np.asarray(picture), np.asarray(expected))

@@ -103,3 +103,18 @@ def test_video_gives_a_row_per_frame_and_an_overlay_video(
     capture = cv2.VideoCapture(str(out / "clip_overlay.mp4"))
     assert capture.get(cv2.CAP_PROP_FPS) == pytest.approx(FPS / every, rel=0.01)
     capture.release()
+
+
+def test_a_failed_video_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    from camviz.io.video import frame_count, write_video
+
+    target = tmp_path / "clip.mp4"
+    frames = (Image.new("RGB", SIZE, (40 * n, 0, 0)) for n in range(3))
+    assert write_video(frames, target, FPS) == 3
+    before = target.read_bytes()
+    mixed = [Image.new("RGB", SIZE), Image.new("RGB", (32, 32))]
+    with pytest.raises(camviz.CamvizError, match=r"frame number 1 is 32x32, not 64x48"):
+        write_video(mixed, target, FPS)
+    assert target.read_bytes() == before and frame_count(target) == 3
+    assert write_video([], tmp_path / "empty.mp4", FPS) == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["clip.mp4"]

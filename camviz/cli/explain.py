@@ -175,7 +175,7 @@ def _not_negative(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from camviz.cli.options import load_model, model_device_option
-    from camviz.io.render import check_render_options
+    from camviz.io.pictures import check_render_options
     from camviz.pipeline import distributed
     from camviz.pipeline.job import Outputs, RenderOptions, explain_files
     from camviz.pipeline.tasks import TaskOptions

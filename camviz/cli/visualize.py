@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from camviz.cli.options import load_model, model_device_option
     from camviz.core.errors import CamvizError
     from camviz.core.unit import parse_unit
-    from camviz.io.render import save
+    from camviz.io.output import save
     from camviz.pipeline import distributed
     from camviz.units.visualize import visualize_unit
 

@@ -25,6 +25,13 @@ from camviz.core.layerkinds import CallLog, record_calls
 from camviz.core.modelstate import HookSet, eval_mode
 from camviz.core.precision import Precision, model_precision
 
+__all__ = [
+    "Layer",
+    "default_target_layer",
+    "layer_shapes",
+    "resolve_layers",
+]
+
 _WILDCARDS = frozenset("*?[")
 
 Layer: TypeAlias = str | nn.Module

@@ -22,6 +22,14 @@ import torch.nn.functional as F  # noqa: N812 - the conventional name
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import EditFn
 
+__all__ = [
+    "add_noise",
+    "clamp",
+    "keep_channels",
+    "spatial_mask",
+    "zero_channels",
+]
+
 
 def zero_channels(channels: int | Sequence[int], *, dim: int = 1) -> EditFn:
     """Set the given channels to zero and leave the others as they are.

@@ -24,6 +24,12 @@ import torch
 
 from camviz.core.errors import CamvizError
 
+__all__ = [
+    "box_masks",
+    "energy_pointing_game",
+    "pointing_game",
+]
+
 #: The pointing game's tolerance in the paper: 15 pixels on 224 x 224 images.
 PAPER_TOLERANCE, PAPER_SIZE = 15.0, 224
 

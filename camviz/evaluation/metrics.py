@@ -47,6 +47,22 @@ from camviz.core.maps import upsample
 from camviz.core.modelstate import eval_mode
 from camviz.core.targets import Target, as_logits, score_fns
 
+__all__ = [
+    "ROAD_FRACTIONS",
+    "Baseline",
+    "Confidence",
+    "Curve",
+    "Order",
+    "Score",
+    "auc",
+    "confidence",
+    "deletion",
+    "impute_linear",
+    "insertion",
+    "road",
+    "win_rate",
+]
+
 Score = Literal["probability", "logit"]
 Baseline: TypeAlias = float | torch.Tensor | Literal["blur", "mean"]
 Order = Literal["morf", "lerf"]

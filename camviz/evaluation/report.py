@@ -40,8 +40,9 @@ from typing import Any
 
 import torch
 from PIL import Image
+from torch import nn
 
-from camviz.cams.engine import explain
+from camviz.cams.engine import Explanation, explain
 from camviz.cams.perturbation import budget_option
 from camviz.cams.registry import get
 from camviz.core.errors import CamvizError
@@ -49,7 +50,14 @@ from camviz.core.inputs import as_batch, model_device
 from camviz.core.layers import Layer
 from camviz.core.precision import Precision, check_precision
 from camviz.core.targets import as_logits, class_name
-from camviz.evaluation.metrics import confidence, deletion, insertion, win_rate
+from camviz.evaluation.metrics import (
+    Confidence,
+    Curve,
+    confidence,
+    deletion,
+    insertion,
+    win_rate,
+)
 from camviz.io.atomic import atomic_write
 from camviz.io.images import load_image
 from camviz.io.models import LoadedModel
@@ -198,41 +206,24 @@ def compare(
     measuring = _metrics_bar(len(paths), bar)
     for image_index, (label, image) in enumerate(zip(labels, images, strict=True)):
         inputs = as_batch(loaded.preprocess(image), model)
-        with torch.inference_mode():
-            probabilities = as_logits(model(inputs)).softmax(dim=-1)[0]
-        if not bool(torch.isfinite(probabilities).all()):
-            raise CamvizError(
-                f"the model's output for {label} is not finite (NaN or Inf); check the "
-                "weights (`camviz inspect` names the first layer that makes a NaN)"
-            )
-        class_id = int(probabilities.argmax())
+        probabilities, class_id = _top_class(model, inputs, label)
+        explained = [
+            partial(explain_as_asked, model, inputs, name, layer, class_id, **method_options[name])
+            for name in names
+        ]
         if image_index == 0:
-            for name in names:  # warm-up, untimed (module docstring)
-                explain_as_asked(model, inputs, name, layer, class_id, **method_options[name])
-        heatmaps, seconds = [], []
-        for name in names:
-            started = time.perf_counter()
-            explained = explain_as_asked(
-                model, inputs, name, layer, class_id, **method_options[name]
-            )
-            heatmaps.append(explained.heatmaps[0])
-            if inputs.device.type == "cuda":
-                torch.cuda.synchronize(inputs.device)
-            seconds.append(time.perf_counter() - started)
+            for explain_one in explained:  # warm-up, untimed (module docstring)
+                explain_one()
+        timed = []  # (heatmap, seconds) per method
+        for name, explain_one in zip(names, explained, strict=True):
+            timed.append(_timed_heatmap(explain_one, inputs.device))
             if progress is not None:
                 with measuring.external_write_mode(file=sys.stderr):  # the line above the bar
-                    progress(f"{label}: {name} ({seconds[-1]:.2f} s)")
-        maps = torch.stack(heatmaps)
-        batch = inputs.expand(len(names), -1, -1, -1)
-        measuring.set_description(f"{label}: deletion")
-        deleted = deletion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
-        measuring.update(1)
-        measuring.set_description(f"{label}: insertion")
-        inserted = insertion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
-        measuring.update(1)
-        measuring.set_description(f"{label}: confidence")
-        confidences = confidence(model, batch, maps, class_id, batch_size=batch_size)
-        measuring.update(1)
+                    progress(f"{label}: {name} ({timed[-1][1]:.2f} s)")
+        maps = torch.stack([heatmap for heatmap, _ in timed])
+        deleted, inserted, confidences = _measured(
+            model, inputs, maps, class_id, steps, batch_size, measuring, label
+        )
         small = _thumbnail(image, thumbnail)
         thumbnails.append(small)
         for index, name in enumerate(names):
@@ -243,7 +234,7 @@ def compare(
                     class_id=class_id,
                     class_name=class_name(loaded.categories, class_id),
                     probability=float(probabilities[class_id]),
-                    seconds=seconds[index],
+                    seconds=timed[index][1],
                     fractions=deleted.fractions.tolist(),
                     deletion=deleted.scores[index].tolist(),
                     insertion=inserted.scores[index].tolist(),
@@ -255,13 +246,59 @@ def compare(
                 )
             )
     measuring.close()
-    return Comparison(
-        model=loaded.name,
-        methods=names,
-        images=labels,
-        thumbnails=thumbnails,
-        cells=cells,
-    )
+    return Comparison(loaded.name, names, labels, thumbnails, cells)
+
+
+def _top_class(model: nn.Module, inputs: torch.Tensor, label: str) -> tuple[torch.Tensor, int]:
+    """The model's class probabilities for one image, and its top class.
+
+    Raises:
+        CamvizError: The output is not finite.
+    """
+    with torch.inference_mode():
+        probabilities = as_logits(model(inputs)).softmax(dim=-1)[0]
+    if not bool(torch.isfinite(probabilities).all()):
+        raise CamvizError(
+            f"the model's output for {label} is not finite (NaN or Inf); check the "
+            "weights (`camviz inspect` names the first layer that makes a NaN)"
+        )
+    return probabilities, int(probabilities.argmax())
+
+
+def _timed_heatmap(
+    explain_one: Callable[[], Explanation], device: torch.device
+) -> tuple[torch.Tensor, float]:
+    """The heatmap of one explanation and its wall time (the GPU's work included)."""
+    started = time.perf_counter()
+    heatmap = explain_one().heatmaps[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return heatmap, time.perf_counter() - started
+
+
+def _measured(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    maps: torch.Tensor,
+    class_id: int,
+    steps: int,
+    batch_size: int,
+    measuring: Any,
+    label: str,
+) -> tuple[Curve, Curve, Confidence]:
+    """The deletion and insertion curves and the confidence of each method's map of one
+    image, each step shown on the ``measuring`` bar."""
+    batch = inputs.expand(len(maps), -1, -1, -1)
+    measuring.set_description(f"{label}: deletion")
+    deleted = deletion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
+    measuring.update(1)
+    measuring.set_description(f"{label}: insertion")
+    inserted = insertion(model, batch, maps, class_id, steps=steps, batch_size=batch_size)
+    measuring.update(1)
+    measuring.set_description(f"{label}: confidence")
+    confidences = confidence(model, batch, maps, class_id, batch_size=batch_size)
+    measuring.update(1)
+    return deleted, inserted, confidences
 
 
 def image_labels(paths: Sequence[str | Path]) -> list[str]:

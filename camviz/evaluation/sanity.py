@@ -45,6 +45,14 @@ from camviz.core.layers import Layer, resolve_layers
 from camviz.core.modelstate import eval_mode
 from camviz.core.targets import Target, TopK
 
+__all__ = [
+    "Explainer",
+    "SanityReport",
+    "cascading_randomization",
+    "spearman",
+    "ssim",
+]
+
 Explainer = Callable[[nn.Module, torch.Tensor, Target], torch.Tensor]
 """``fn(model, inputs, target) -> (N, H, W)`` maps: any saliency method, not only a CAM."""
 

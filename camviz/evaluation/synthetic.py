@@ -33,6 +33,22 @@ from torch import nn
 
 from camviz.core.errors import CamvizError
 
+__all__ = [
+    "CLASSES",
+    "SEGMENTATION_CLASSES",
+    "SHIPPED_DETECTOR",
+    "SHIPPED_WEIGHTS",
+    "TARGET_LAYER",
+    "SyntheticCNN",
+    "SyntheticDetector",
+    "SyntheticScenes",
+    "SyntheticSet",
+    "load_detector",
+    "load_model",
+    "make_dataset",
+    "make_scenes",
+]
+
 #: The object classes, in label order.
 CLASSES = ("disc", "square", "triangle", "cross")
 

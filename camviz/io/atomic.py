@@ -1,9 +1,11 @@
 """Files that appear complete or not at all.
 
 Every file camviz writes goes to a hidden temporary name in its folder first and replaces
-the real name only when complete. The temporary names follow one pattern
-(:func:`temporary_path`), so that a later run can tell them apart from the user's files and
-remove those that an interrupted run left behind (:func:`is_temporary`).
+the real name only when complete: :func:`atomic_write` for code that writes to an open
+file, :func:`atomic_path` for writers that open the file themselves (videos). The temporary
+names follow one pattern (:func:`temporary_path`), so that a later run can tell them apart
+from the user's files and remove those that an interrupted run left behind
+(:func:`is_temporary`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,47 @@ def is_temporary(name: str) -> bool:
 
 
 @contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str], *, keep_suffix: bool = False) -> Iterator[Path]:
+    """A hidden temporary path beside ``path`` for a writer that takes a file name.
+
+    For writers that open the file themselves (OpenCV's ``VideoWriter``, ffmpeg): the block
+    writes the returned path, which replaces ``path`` (``os.replace``, atomic on one file
+    system) only when the block ends without error. On any error the temporary file is
+    removed and ``path`` is left as it was. The block must create the file.
+    :func:`atomic_write` is this with the file opened for the block.
+
+    Args:
+        path: The file to write; missing folders are created.
+        keep_suffix: End the temporary name with ``path``'s suffix too, for writers that
+            pick the format from the name.
+
+    Yields:
+        The temporary path, not yet created.
+
+    Raises:
+        CamvizError: The folder cannot be created or written to, or ``path`` is a folder.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise CamvizError(f"{path} is a folder; give a file name inside it")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CamvizError(_unwritable(path, error)) from None
+    temporary = temporary_path(path, keep_suffix)
+    try:
+        yield temporary
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    try:
+        os.replace(temporary, path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise CamvizError(_unwritable(path, error)) from None
+
+
+@contextlib.contextmanager
 def atomic_write(path: str | os.PathLike[str], mode: Literal["wb", "w"] = "wb") -> Iterator[IO]:
     """Open ``path`` for writing so that it appears complete or not at all.
 
@@ -65,28 +108,15 @@ def atomic_write(path: str | os.PathLike[str], mode: Literal["wb", "w"] = "wb") 
     """
     if mode not in ("wb", "w"):
         raise ValueError(f"mode must be 'wb' or 'w', not {mode!r}")
-    path = Path(path)
-    if path.is_dir():
-        raise CamvizError(f"{path} is a folder; give a file name inside it")
-    temporary = temporary_path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # os.open with 0o666 lets the umask decide permissions, as for any new file;
-        # tempfile would create it readable by the owner only.
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    except OSError as error:
-        raise CamvizError(_unwritable(path, error)) from None
-    try:
+    with atomic_path(path) as temporary:
+        try:
+            # os.open with 0o666 lets the umask decide permissions, as for any new file;
+            # tempfile would create it readable by the owner only.
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except OSError as error:
+            raise CamvizError(_unwritable(Path(path), error)) from None
         with os.fdopen(descriptor, mode, encoding="utf-8" if mode == "w" else None) as file:
             yield file
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    try:
-        os.replace(temporary, path)
-    except OSError as error:
-        temporary.unlink(missing_ok=True)
-        raise CamvizError(_unwritable(path, error)) from None
 
 
 def _unwritable(path: Path, error: OSError) -> str:

@@ -40,6 +40,19 @@ from torchvision.transforms.v2 import functional as TF  # noqa: N812 - the conve
 
 from camviz.core.errors import CamvizError, first_line
 
+__all__ = [
+    "BACKGROUND",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "MAX_PIXELS",
+    "PathLike",
+    "Preprocess",
+    "check_size",
+    "load_batch",
+    "load_image",
+    "to_rgb",
+]
+
 #: Default largest image, in pixels, that :func:`load_image` decodes (64 megapixels is
 #: well above any camera photo and about 200 MB of RGB).
 MAX_PIXELS = 64_000_000

@@ -58,6 +58,19 @@ from camviz.core.errors import CamvizError, first_line
 if TYPE_CHECKING:
     from camviz.io.images import Preprocess
 
+__all__ = [
+    "DEFAULT_CLIP_LEN",
+    "OFFLINE_MODEL",
+    "TIMM_PREFIX",
+    "LoadedModel",
+    "Task",
+    "available",
+    "load",
+    "read_state_dict",
+    "task_of",
+    "with_input_size",
+]
+
 #: The model :func:`load` gives when no name is passed; it needs no download.
 OFFLINE_MODEL = "efficientnet_lite0"
 

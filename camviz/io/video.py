@@ -6,12 +6,14 @@ usual case: a DataLoader worker gets consecutive frames), because seeking makes 
 start again from the previous key frame.
 
 The overlay video is written with ``cv2.VideoWriter`` (MPEG-4 Part 2, ``mp4v``, which every
-OpenCV build with FFmpeg can encode; H.264 encoders are often missing) to a temporary file
-that replaces the target only when complete, like every other camviz output.
+OpenCV build with FFmpeg can encode; H.264 encoders are often missing) through
+:func:`camviz.io.atomic.atomic_path`: to a hidden temporary file that replaces the target only
+when complete, like every other camviz output.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -22,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 from camviz.core.errors import CamvizError
-from camviz.io.atomic import temporary_path
+from camviz.io.atomic import atomic_path
 
 #: Codec for each video container camviz writes.
 FOURCC = {".mp4": "mp4v", ".avi": "MJPG"}
@@ -154,12 +156,13 @@ def write_video(
     """Write image files (or images) as the frames of a video, atomically.
 
     Args:
-        frames: Image files or PIL images, in order, all of one size.
+        frames: Image files or PIL images, in order, all of one size; read one at a time,
+            so a generator of pictures never holds more than one.
         path: The video to write; its extension picks the container (see :data:`FOURCC`).
         fps: Frames per second.
 
     Returns:
-        The number of frames written.
+        The number of frames written (no frame: no file).
 
     Raises:
         CamvizError: An unknown extension, a frame of another size, or OpenCV cannot write.
@@ -169,33 +172,28 @@ def write_video(
     codec = FOURCC.get(path.suffix.lower())
     if codec is None:
         raise CamvizError(f"cannot write a {path.suffix!r} video; use one of {', '.join(FOURCC)}")
-    # VideoWriter picks the container from the name, so the temporary file keeps the suffix.
-    temporary = temporary_path(path, keep_suffix=True)
-    writer = None
+    pictures = ((_frame_name(frame, number), _bgr(frame)) for number, frame in enumerate(frames))
+    first = next(pictures, None)
+    if first is None:
+        return 0
+    height, width = first[1].shape[:2]
     count = 0
-    try:
-        for frame in frames:
-            pixels = _bgr(frame)
-            size = (pixels.shape[1], pixels.shape[0])
-            if writer is None:
-                writer = cv2.VideoWriter(str(temporary), cv2.VideoWriter.fourcc(*codec), fps, size)
-                if not writer.isOpened():
-                    raise CamvizError(f"OpenCV cannot write {path}; check the folder and codecs")
-                first_size = size
-            elif size != first_size:
-                raise CamvizError(
-                    f"frame {_frame_name(frame, count)} is {size[0]}x{size[1]}, not "
-                    f"{first_size[0]}x{first_size[1]} like the first; a video's frames must "
-                    "share one size"
-                )
-            writer.write(np.ascontiguousarray(pixels))
-            count += 1
-        if writer is not None:
+    # VideoWriter picks the container from the name, so the temporary file keeps the suffix.
+    with atomic_path(path, keep_suffix=True) as temporary:
+        writer = cv2.VideoWriter(
+            str(temporary), cv2.VideoWriter.fourcc(*codec), fps, (width, height)
+        )
+        try:
+            if not writer.isOpened():
+                raise CamvizError(f"OpenCV cannot write {path}; check the folder and codecs")
+            for name, pixels in itertools.chain([first], pictures):
+                if pixels.shape[:2] != (height, width):
+                    raise CamvizError(
+                        f"frame {name} is {pixels.shape[1]}x{pixels.shape[0]}, not "
+                        f"{width}x{height} like the first; a video's frames must share one size"
+                    )
+                writer.write(np.ascontiguousarray(pixels))
+                count += 1
+        finally:
             writer.release()
-            writer = None
-            os.replace(temporary, path)
-    finally:
-        if writer is not None:
-            writer.release()
-        temporary.unlink(missing_ok=True)
     return count

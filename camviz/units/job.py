@@ -43,7 +43,7 @@ from camviz.core.unit import Unit, parse_channels
 from camviz.io.atomic import atomic_write
 from camviz.io.images import load_image
 from camviz.io.models import LoadedModel
-from camviz.io.render import save
+from camviz.io.output import save
 from camviz.pipeline import distributed, lock, manifest
 from camviz.pipeline.dataset import ItemDataset
 from camviz.pipeline.inputs import Item, expand
