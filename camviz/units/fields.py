@@ -252,7 +252,30 @@ def _geometry(module: nn.Module, rank: int) -> tuple[tuple[int, ...], ...]:
 
 def _measured(model: nn.Module, probe: torch.Tensor, layer: str) -> ReceptiveField:
     """The field of the grid's centre location, found by gradient (module docstring); the
-    stride is how far the field moves to the next location."""
+    stride is how far the field moves to the next location.
+
+    A field that covers the whole probe may only be larger than it (a deep CNN on a small
+    input): it is measured again on a probe twice as large, and counts as seeing the whole
+    input (stride 0: attention, global pooling) only if it covers that one too, or if the
+    model takes no other size (a ViT with fixed position embeddings).
+    """
+    grid, extents, starts, steps = _measure(model, probe, layer)
+    if 0.0 in steps:
+        larger = probe.new_zeros(probe.shape[:2] + tuple(2 * side for side in probe.shape[2:]))
+        try:
+            larger.normal_(generator=torch.Generator(probe.device).manual_seed(1))
+            _, extents, starts, steps = _measure(model, larger, layer)
+        except (RuntimeError, ValueError, AssertionError, CamvizError):
+            pass  # the model takes this size only: the field is the whole input
+    size = tuple(probe.shape[2:])
+    return ReceptiveField(tuple(extents), tuple(steps), tuple(starts), grid, size, "measured")
+
+
+def _measure(
+    model: nn.Module, probe: torch.Tensor, layer: str
+) -> tuple[tuple[int, ...], list[int], list[float], list[float]]:
+    """The grid, and per axis the centre's field size, first pixel of location 0 and stride
+    (``0`` where the centre sees the whole axis)."""
     pixels = probe.clone().requires_grad_()
     size = tuple(probe.shape[2:])
     with torch.enable_grad():
@@ -279,7 +302,7 @@ def _measured(model: nn.Module, probe: torch.Tensor, layer: str) -> ReceptiveFie
             extents.append(last - first + 1)
             starts.append(first - centre[axis] * step)
             steps.append(step)
-    return ReceptiveField(tuple(extents), tuple(steps), tuple(starts), grid, size, "measured")
+    return grid, extents, starts, steps
 
 
 def _support(

@@ -65,5 +65,5 @@ def spatial_view(
     """``tensor`` (the output or input at ``spot``) as ``(N, C, *grid)``: channels first as
     it is, channels last moved, tokens on their patch grid without the leading tokens. The
     layout is told from the spot's module, as the engine tells it."""
-    module = dict(model.named_modules())[parse(spot).name]
+    module = model.get_submodule(parse(spot).name)
     return as_spatial(tensor, spot, input_size, patch_size(model), module_kind(module))
