@@ -569,6 +569,17 @@ def test_a_checkpoint_that_would_run_code_is_refused_in_one_clear_line(run, phot
     assert "UnpicklingError" not in error
 
 
+def test_a_checkpoint_with_keys_that_are_not_names_is_refused_in_one_line(run, photos, tmp_path):
+    weights = tmp_path / "k.pt"
+    torch.save({1: torch.zeros(3)}, weights)
+    out = tmp_path / "out"
+    status, _, error = run(photos[0], out=out, extra=("--weights", str(weights)))
+    assert status == 1
+    one_line_error(error, str(weights), "not all parameter names", "int 1", "model.state_dict()")
+    assert "startswith" not in error
+    assert not out.exists() or not any(out.iterdir())
+
+
 # --- The CLI as people read it -----------------------------------------------------------------
 
 

@@ -128,8 +128,11 @@ def test_detection_writes_an_overlay_per_object_with_its_box_a_panel_and_rows(
     loaded = _loaded(DETECTOR, weights, 64)
     loaded.model.roi_heads.score_thresh = 0.0  # what --min-score 0 asks of the detector
     image = load_image(photo)
-    with torch.no_grad():
-        (found,) = loaded.model(loaded.preprocess(image).unsqueeze(0))
+    inputs = loaded.preprocess(image).unsqueeze(0)
+    with loaded.applied() as model:  # the detector resizes to --input-size 64 in here
+        with torch.no_grad():
+            (found,) = model(inputs)
+        reference = camviz.explain(model, inputs, "gradcam", LAYER, camviz.Detection([0, 1, 2]))
     (row,) = manifest_rows(out)
     objects = row["explained"]
     assert len(objects) == 3
@@ -141,8 +144,6 @@ def test_detection_writes_an_overlay_per_object_with_its_box_a_panel_and_rows(
     boxes = torch.tensor([entry["box"] for entry in objects])
     assert torch.allclose(boxes, found["boxes"][:3], atol=0.006)  # rounded to 2 decimals
 
-    inputs = loaded.preprocess(image).unsqueeze(0)
-    reference = camviz.explain(loaded.model, inputs, "gradcam", LAYER, camviz.Detection([0, 1, 2]))
     for rank, entry in enumerate(objects):
         heatmap = np.load(out / entry["files"]["heatmap"])["heatmap"]
         assert np.abs(heatmap - reference.heatmaps[rank].numpy()).max() < 1e-5

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import fnmatch
 import re
 import socket
 import subprocess
 import sys
 import urllib.error
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -18,8 +16,9 @@ import torch
 import torchvision
 from torch import nn
 
+import camviz
 from camviz.core.errors import CamvizError
-from camviz.io import models
+from camviz.io import architectures, models
 from camviz.io.images import load_image
 
 IMAGENET_CATS = range(281, 286)  # tabby, tiger cat, Persian, Siamese, Egyptian cat
@@ -103,9 +102,9 @@ def test_positional_loading_refuses_shapes_that_do_not_line_up(shipped_state_dic
     with pytest.raises(
         CamvizError, match=re.escape("_conv_stem.weight is 32x1x3x3 but conv_stem.weight")
     ):
-        models._match_by_position(expected, swapped)
+        architectures.match_by_position(expected, swapped)
     with pytest.raises(CamvizError, match="hold 295 tensors but tf_efficientnet_lite0 has 296"):
-        models._match_by_position(expected, dict(list(shipped_state_dict.items())[:-1]))
+        architectures.match_by_position(expected, dict(list(shipped_state_dict.items())[:-1]))
 
 
 # --- Local checkpoints ----------------------------------------------------------------------
@@ -258,8 +257,15 @@ def test_pickled_module_is_refused_with_advice(tmp_path):
         (lambda path: path.write_bytes(Path(__file__).read_bytes()), "not a PyTorch checkpoint"),
         (lambda path: torch.save({"epoch": 3, "lr": 0.1}, path), "holds no state_dict"),
         (lambda path: torch.save({}, path), "holds no state_dict"),
+        (lambda path: torch.save({1: torch.zeros(3)}, path), "keys are not all parameter names"),
+        (
+            lambda path: torch.save(
+                {"model": {"fc.weight": torch.zeros(3), (0,): torch.ones(1)}}, path
+            ),
+            "one is tuple",
+        ),
     ],
-    ids=["missing", "folder", "text file", "no tensors", "empty"],
+    ids=["missing", "folder", "text file", "no tensors", "empty", "int keys", "nested tuple key"],
 )
 def test_bad_checkpoint_files_are_one_line_errors(tmp_path, make, expected):
     path = tmp_path / "checkpoint.pt"
@@ -437,7 +443,7 @@ def test_importing_models_does_not_import_torchvision_or_timm():
 def test_torchvision_preprocessing_follows_the_weights(name):
     transforms = torchvision.models.get_model_weights(name).DEFAULT.transforms()
 
-    preprocess = models._torchvision_architecture(name).preprocess
+    preprocess = architectures.torchvision_architecture(name).preprocess
 
     assert preprocess.size == transforms.crop_size[0]
     assert preprocess.mean == pytest.approx(transforms.mean)
@@ -447,68 +453,87 @@ def test_torchvision_preprocessing_follows_the_weights(name):
     assert preprocess.resize == ("square" if name in ("vit_b_16", "maxvit_t") else "shorter")
 
 
-def _one_model_per_table_entry() -> list[str]:
-    """The shortest-named torchvision model matching each entry of the default-layer table."""
-    names = torchvision.models.list_models(module=torchvision.models)
-    chosen = []
-    for pattern in models._DEFAULT_LAYERS:
-        matching = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
-        assert matching, f"{pattern} matches no torchvision model"
-        chosen.append(min(matching, key=len))
-    return chosen
-
-
-@pytest.mark.filterwarnings("ignore:The default weight initialization:FutureWarning")
-@pytest.mark.parametrize("name", _one_model_per_table_entry())
-def test_default_layer_is_the_last_feature_map(name):
-    """The table's layer outputs a spatial map, and no feature convolution runs after it.
-
-    Models are built on the meta device (shapes only, no memory, no maths), except RegNet,
-    whose constructor needs real numbers.
-    """
-    device = "cpu" if name.startswith("regnet") else "meta"
-    with torch.device(device):
-        model = torchvision.models.get_model(name).eval()
-        batch = torch.zeros(1, 3, 224, 224)
-    layer = models._default_layer(name)
-    modules = dict(model.named_modules())
-    order: list[str] = []
-    shapes: dict[str, torch.Size] = {}
-
-    def record(module_name: str, module: nn.Module, args: object, output: object) -> None:
-        order.append(module_name)
-        if isinstance(output, torch.Tensor):
-            shapes[module_name] = output.shape
-
-    handles = [
-        module.register_forward_hook(partial(record, module_name))
-        for module_name, module in modules.items()
-        if module_name
-    ]
-    try:
-        with torch.no_grad():
-            model(batch)
-    finally:
-        for handle in handles:
-            handle.remove()
-
-    assert layer in order, f"{layer} does not run in {name}"
-    assert len(shapes[layer]) == 4 and shapes[layer][-1] * shapes[layer][-2] > 1, shapes[layer]
-    # Only a classifier may follow: linear, or a 1x1 convolution to the classes (SqueezeNet).
-    later = [modules[called] for called in order[order.index(layer) + 1 :]]
-    assert not any(
-        isinstance(module, nn.Conv2d) and module.out_channels != 1000 for module in later
-    )
-
-
 @pytest.mark.parametrize("name", ["resnet50d", "vit_base_patch16_224", "tf_efficientnet_b3"])
 def test_timm_preprocessing_follows_the_pretrained_config(name):
     config = timm.models.get_pretrained_cfg(name)
 
-    preprocess = models._timm_architecture(name).preprocess
+    preprocess = architectures.timm_architecture(name).preprocess
 
     assert preprocess.size == config.input_size[-1]
     assert preprocess.mean == pytest.approx(config.mean)
     assert preprocess.std == pytest.approx(config.std)
     assert preprocess.interpolation == config.interpolation
     assert preprocess.resize == ("square" if config.fixed_input_size else "shorter")
+
+
+# --- The input size -------------------------------------------------------------------------
+
+DETECTOR_LAYER = "backbone.body.7"
+
+
+def _faster_rcnn(min_size: int, max_size: int) -> nn.Module:
+    """A random Faster R-CNN (the same weights for every size) resizing to these sizes."""
+    from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_320_fpn
+    from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+
+    torch.manual_seed(0)
+    model = fasterrcnn_mobilenet_v3_large_320_fpn(
+        weights=None,
+        weights_backbone=None,
+        min_size=min_size,
+        max_size=max_size,
+        box_score_thresh=0.0,
+        rpn_pre_nms_top_n_test=20,
+        rpn_post_nms_top_n_test=10,
+    )
+    model.roi_heads.box_head = TwoMLPHead(256 * 7 * 7, 16)  # torchvision's has 1024 features
+    model.roi_heads.box_predictor = FastRCNNPredictor(16, 4)
+    return model.eval()
+
+
+def test_input_size_of_a_detector_is_applied_around_calls_not_written_into_it():
+    from camviz.io.images import Preprocess
+
+    loaded = models.LoadedModel(
+        model=_faster_rcnn(64, 128),
+        preprocess=Preprocess(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), resize="none"),
+        categories=["__background__", "a", "b", "c"],
+        name="fasterrcnn_mobilenet_v3_large_320_fpn",
+        task="detection",
+    )
+    transform = loaded.model.transform
+    image = torch.rand(1, 3, 48, 80, generator=torch.Generator().manual_seed(1))
+
+    sized = models.with_input_size(models.with_input_size(loaded, 80), 96)
+
+    assert (transform.min_size, transform.max_size) == ((64,), 128)  # the caller's, as it was
+    assert sized.model is loaded.model  # no copy of the weights
+    with sized.applied() as model:
+        assert (model.transform.min_size, model.transform.max_size) == ((96,), 192)
+        result = camviz.explain(model, image, layer=DETECTOR_LAYER, target=camviz.Detection([0]))
+    assert (transform.min_size, transform.max_size) == ((64,), 128)
+    built = _faster_rcnn(96, 192)
+    assert all(
+        torch.equal(value, built.state_dict()[key])
+        for key, value in loaded.model.state_dict().items()
+    )
+    expected = camviz.explain(built, image, layer=DETECTOR_LAYER, target=camviz.Detection([0]))
+    torch.testing.assert_close(result.heatmaps, expected.heatmaps, rtol=0, atol=0)
+    torch.testing.assert_close(result.boxes, expected.boxes, rtol=0, atol=0)
+    unsized = camviz.explain(
+        loaded.model, image, layer=DETECTOR_LAYER, target=camviz.Detection([0])
+    )
+    assert unsized.layer_maps.shape != result.layer_maps.shape  # the size did change the pass
+
+
+def test_input_size_of_a_classifier_changes_the_preprocessing_only(trained_resnet18):
+    from camviz.io.images import Preprocess
+
+    loaded = models.LoadedModel(trained_resnet18, Preprocess(size=224), ["a"] * 7, "resnet18")
+
+    sized = models.with_input_size(loaded, 96)
+
+    assert sized.preprocess.size == 96 and loaded.preprocess.size == 224
+    assert sized.model is trained_resnet18 and sized.changes == ()
+    with pytest.raises(CamvizError, match="positive number of pixels"):
+        models.with_input_size(loaded, 0)

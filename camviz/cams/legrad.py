@@ -10,16 +10,18 @@ requires grad (the engine's trick, :mod:`camviz.cams.engine`): the gradient with
 ``delta`` is the gradient with respect to the attention probabilities, and the forward values
 are those of the fused call up to float rounding. Nothing on the model is changed but one
 flag: timm's ``Attention`` modules built with fused attention off (``TIMM_FUSED_ATTN=0``)
-compute ``softmax`` themselves, so their ``fused_attn`` is switched on for the pass and back
-off at its end, errors included. The mode ends with the pass too.
+compute ``softmax`` themselves, so their ``fused_attn`` is switched on for the pass
+(:class:`~camviz.core.modelstate.FusedAttention`) and back off at its end, errors included.
+The mode ends with the pass too. The pass itself goes through the engine's
+:meth:`~camviz.cams.base.LayerData.run`, and the block outputs are read with
+:func:`camviz.core.hooks.edit`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -34,6 +36,7 @@ from camviz.cams.registry import register
 from camviz.core.calls import CallMode
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import edit
+from camviz.core.modelstate import FusedAttention, changed
 
 # scaled_dot_product_attention's parameters, in order (a builtin: no inspect.signature).
 _SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
@@ -171,22 +174,6 @@ class _AttentionTaps(CallMode):
         return output, probabilities.mean(dim=1) if averaged else probabilities
 
 
-@contextlib.contextmanager
-def _fused_attention(model: nn.Module) -> Iterator[None]:
-    """Switch timm's attention modules built without fused attention to the fused call for
-    one pass (its explicit softmax would escape the taps); switched back at the end."""
-    switched = [
-        module for module in model.modules() if getattr(module, "fused_attn", None) is False
-    ]
-    try:
-        for module in switched:
-            setattr(module, "fused_attn", True)  # noqa: B010 - a timm flag, typed Final
-        yield
-    finally:
-        for module in switched:
-            setattr(module, "fused_attn", False)  # noqa: B010
-
-
 @register
 class LeGrad(CamMethod):
     """LeGrad: each block's prediction, differentiated with respect to its attention map.
@@ -252,8 +239,8 @@ class LeGrad(CamMethod):
         taps = _AttentionTaps()
         recorders = {block: partial(keep, block) for block in parts.blocks}
         grad = torch.enable_grad()
-        with grad, edit(data.model, recorders), _fused_attention(data.model), taps:
-            data.model(data.inputs)
+        with grad, edit(data.model, recorders), changed(data.model, FusedAttention()), taps:
+            data.run(data.inputs)
         if len(taps.deltas) != len(parts.blocks):
             raise CamvizError(
                 f"legrad found {len(taps.deltas)} fused attention calls in {len(parts.blocks)} "

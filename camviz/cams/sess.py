@@ -214,7 +214,7 @@ class SESS(Wrapper):
             for chunk, chunk_images in zip(
                 patches.split(self.batch_size), images.split(self.batch_size), strict=True
             ):
-                output = data.model(chunk)
+                output = data.run(chunk, chunk_images)
                 if self.softmax:
                     if not isinstance(output, torch.Tensor):
                         raise CamvizError(

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
 from camviz.cli.options import add_model_options, add_precision_options
-
-if TYPE_CHECKING:
-    import torch
 
 #: The largest ``--size`` accepted: a 2048 x 2048 input already needs gigabytes of
 #: activations in a large model; larger ones only exhaust memory.
@@ -59,26 +55,19 @@ def run(args: argparse.Namespace) -> int:
         rows = layer_shapes(
             loaded.model, inputs, precision=args.precision, channels_last=args.channels_last
         )
-        default = loaded.default_layer or _found_layer(loaded.model, inputs)
     except (RuntimeError, ValueError) as error:
         raise CamvizError(
             f"the model does not take a {args.size}x{args.size} input ({first_line(error)}); "
             "pass a --size it accepts (224 for most models)"
         ) from None
     marked = [
-        [name, kind, str(tuple(shape)), "<- default target layer" if name == default else ""]
+        [
+            name,
+            kind,
+            str(tuple(shape)),
+            "<- default target layer" if name == loaded.default_layer else "",
+        ]
         for name, kind, shape in rows
     ]
     print(aligned(["layer", "type", "output shape", ""], marked))
     return 0
-
-
-def _found_layer(model: torch.nn.Module, inputs: torch.Tensor) -> str | None:
-    """The layer explain picks by itself, or None when the model has no spatial layer."""
-    from camviz.core.errors import CamvizError
-    from camviz.core.layers import default_target_layer
-
-    try:
-        return default_target_layer(model, inputs)
-    except CamvizError:
-        return None

@@ -195,7 +195,7 @@ def capture(
                 hooks.add(module.register_forward_pre_hook(partial(on_input, name)))
             hooks.add(module.register_forward_hook(partial(on_output, name)))
             if gradients and backward == "full":
-                hooks.add(module.register_full_backward_hook(partial(on_full_backward, name)))
+                hooks.add_full_backward_hook(module, partial(on_full_backward, name))
         yield record
 
 

@@ -13,6 +13,7 @@ import fnmatch
 import math
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import TypeAlias
 
@@ -34,13 +35,20 @@ __all__ = [
 
 _WILDCARDS = frozenset("*?[")
 
+# Layers that pool a map into a coarser one (or into one value per channel).
+_POOLING: tuple[type[nn.Module], ...] = (
+    nn.modules.pooling._MaxPoolNd,
+    nn.modules.pooling._AvgPoolNd,
+    nn.modules.pooling._AdaptiveAvgPoolNd,
+    nn.modules.pooling._AdaptiveMaxPoolNd,
+    nn.modules.pooling._LPPoolNd,
+)
+
+# Layers that hand on their input at inference: their output is the map before them.
+_PASSING_ON: tuple[type[nn.Module], ...] = (nn.Identity, nn.modules.dropout._DropoutNd)
+
 Layer: TypeAlias = str | nn.Module
 """A layer: its name, a wildcard pattern, or the submodule itself."""
-
-
-def layer_names(model: nn.Module) -> list[str]:
-    """All named submodules of ``model`` in definition order (the root itself excluded)."""
-    return [name for name, _ in model.named_modules() if name]
 
 
 def resolve_layers(model: nn.Module, layers: Layer | Iterable[Layer]) -> dict[str, nn.Module]:
@@ -118,7 +126,7 @@ def default_target_layer(
     model: nn.Module, inputs: torch.Tensor | Inputs, before: str | None = None
 ) -> str:
     """The layer to explain when none is named: by the model's family, else the last layer,
-    in call order, whose output is a spatial map.
+    in call order, whose output is a spatial map and not the head's.
 
     torchvision's detectors and segmentation models get the layer of their family
     (:func:`family_layer`): the last spatial layer would be a head (a detector's RoI pooling
@@ -135,7 +143,20 @@ def default_target_layer(
     ``(N, C, D, H, W)`` for a volume or clip; whether the channels come first or last is
     told from the module that produced it (:mod:`camviz.core.layerkinds`), never from the
     rank alone. Containers fire after their children, so for a ResNet the answer is
-    ``layer4`` rather than its last ReLU, and for a Swin transformer its final norm.
+    ``layer4`` rather than its last ReLU, and for a Swin transformer its final norm. Three
+    kinds of output do not count, told from the modules that produced them:
+
+    * a pooling layer's, and that of a container that ends with one: pooling only
+      summarises the map before it, at a coarser grid. VGG's and AlexNet's answer is the
+      last ReLU of ``features`` (``features.29`` of ``vgg16``, 14 x 14 at 224 px; ``features.11``
+      of ``alexnet``), not the max-pool after it, nor ``features`` (which ends with that pool)
+      or the adaptive ``avgpool``;
+    * the output of a layer that hands on its input at inference (``Identity``, dropout),
+      which is the map before it;
+    * a classifier written as a convolution: when the model answers ``(N, K)`` scores and
+      its last convolution is a 1 x 1 one with ``K`` output channels (SqueezeNet's
+      ``classifier.1``), that convolution and everything after it map the classes, so
+      SqueezeNet's answer is ``features``.
 
     Vision transformers (ViT, DeiT: token outputs ``(N, T, C)`` from linear layers, norms
     or attention after the last map) get the input of their last attention layer instead:
@@ -146,13 +167,14 @@ def default_target_layer(
     the class token, so its input has a gradient at every patch. The model's train/eval
     modes are left as they were.
 
-    ``before`` names a layer (a :class:`~camviz.Unit`'s): the answer is then the last layer
-    with a spatial (or token) output that finishes before that layer starts, whose output
-    the layer reads, whatever the model's family.
+    ``before`` names a layer (a :class:`~camviz.Unit`'s): the answer is then, whatever the
+    model's family, the last layer by the same rule whose call ends before that layer's
+    begins (for tokens, the last such token output), so that the unit's score depends on it.
 
     Raises:
-        CamvizError: No layer produces a spatial output (before ``before``), ``before`` does
-            not run, or the batch is empty (and the model is none of the families above).
+        CamvizError: No layer produces a spatial output (before ``before``), ``before``
+            does not run, or the batch is empty (and the model is none of the families
+            above).
     """
     by_family = None if before is not None else family_layer(model)  # no model call
     if by_family is not None:
@@ -165,60 +187,107 @@ def default_target_layer(
         )
     rank = batch.main.dim() - 2
     per_model = _default_cache.setdefault(model, {})
-    if (rank, before) in per_model:
-        return per_model[rank, before]
-    attention_inputs: list[int] = []  # how many calls had ended when each attention began
+    if (rank, before) not in per_model:
+        per_model[rank, before] = _structural_layer(model, _dry_run(model, batch), rank, before)
+    return per_model[rank, before]
+
+
+@dataclass
+class _DryRun:
+    """What :func:`default_target_layer` learns from one pass of the model."""
+
+    log: CallLog
+    attention_starts: list[int]  # how many calls had ended when each attention began
+    skipped: set[str]  # layers whose output is a pooling layer's, or their own input
+    output: object
+
+
+def _dry_run(model: nn.Module, batch: Inputs) -> _DryRun:
+    """Run the model once on the first sample, in eval mode and without gradients."""
+    attention_starts: list[int] = []
+    skipped: set[str] = set()
+    pool_outputs: list[torch.Tensor] = []  # kept alive, so that identity means the same tensor
 
     def before_attention(module: nn.Module, args: object) -> None:
-        attention_inputs.append(len(log.calls))
+        attention_starts.append(len(log.calls))
 
+    def after(name: str, module: nn.Module, args: object, output: object) -> None:
+        if isinstance(module, _PASSING_ON):
+            skipped.add(name)
+        elif isinstance(module, _POOLING) and isinstance(output, torch.Tensor):
+            pool_outputs.append(output)
+            skipped.add(name)
+        elif any(output is pool_output for pool_output in pool_outputs):
+            skipped.add(name)  # a container that ends with a pool (or an in-place op after it)
+
+    first = torch.zeros(1, dtype=torch.long, device=batch.main.device)
     with HookSet() as hooks, record_calls(model) as log, torch.inference_mode(), eval_mode(model):
-        for module in model.modules():
+        for name, module in model.named_modules():
             if _is_attention(module):
                 hooks.add(module.register_forward_pre_hook(before_attention))
-        batch.replaced({}, torch.zeros(1, dtype=torch.long, device=batch.main.device))(model)
-    kinds = [_output_kind(log, index, rank) for index in range(len(log.calls))]
-    if before is None:
-        found = _last_map(log, kinds, attention_inputs)
-    else:
-        found = _last_map_before(log, kinds, before)
-    per_model[rank, before] = found
-    return found
+            if name:
+                hooks.add(module.register_forward_hook(partial(after, name)))
+        output = batch.replaced({}, first)(model)
+    return _DryRun(log, attention_starts, skipped, output)
 
 
-def _last_map(log: CallLog, kinds: Sequence[str | None], attention_inputs: Sequence[int]) -> str:
-    """The last call with a map output, or for a transformer the input of its last
-    attention (see :func:`default_target_layer`)."""
-    candidates = [index for index, kind in enumerate(kinds) if kind is not None]
+def _structural_layer(model: nn.Module, run: _DryRun, rank: int, before: str | None) -> str:
+    """The layer :func:`default_target_layer` picks from what the dry run recorded."""
+    calls = run.log.calls
+    head = _classifier_convolution(model, run)
+    end = len(calls) if before is None else _start_of(run.log, before)
+    kinds = [_output_kind(run.log, index, rank) for index in range(len(calls))]
+    candidates = [
+        index
+        for index, kind in enumerate(kinds[:end])
+        if kind is not None
+        and calls[index].name not in run.skipped
+        and (head is None or index < head)
+    ]
     if not candidates:
+        where = "" if before is None else f" before {before!r}"
         raise CamvizError(
-            "could not find a layer with a spatial output to explain; pass layer=NAME "
-            "(`camviz layers --model NAME` lists them)"
+            f"could not find a layer with a spatial output{where} to explain; pass "
+            "layer=NAME (`camviz layers --model NAME` lists them)"
         )
-    if kinds[candidates[-1]] != "tokens":
-        return log.calls[candidates[-1]].name
+    if kinds[candidates[-1]] != "tokens" or before is not None:
+        return calls[candidates[-1]].name
     tokens = [index for index in candidates if kinds[index] == "tokens"]
     before = [
-        max(i for i in tokens if i < start) for start in attention_inputs if tokens[0] < start
+        max(i for i in tokens if i < start) for start in run.attention_starts if tokens[0] < start
     ]
-    return log.calls[before[-1] if before else tokens[-1]].name
+    return calls[before[-1] if before else tokens[-1]].name
 
 
-def _last_map_before(log: CallLog, kinds: Sequence[str | None], layer: str) -> str:
-    """The last call with a map or token output that ended before ``layer`` began."""
-    start = log.starts.get(layer)
-    if start is None:
+def _start_of(log: CallLog, layer: str) -> int:
+    """How many calls had ended when ``layer`` began (its spot's module, for a spot)."""
+    name = layer.split(":")[0].split("[")[0]
+    if name not in log.starts:
         raise CamvizError(
-            f"layer {layer!r} did not run in the forward pass; pick a layer that the model "
+            f"layer {name!r} did not run in the forward pass; pick a layer that the model "
             "uses (`camviz layers` lists them with shapes)"
         )
-    earlier = [index for index in range(start) if kinds[index] is not None]
-    if not earlier:
-        raise CamvizError(
-            f"no layer with a spatial output runs before {layer!r}; pass layer=NAME, or "
-            "at='input' to explain at the layer's own input"
-        )
-    return log.calls[earlier[-1]].name
+    return log.starts[name]
+
+
+def _classifier_convolution(model: nn.Module, run: _DryRun) -> int | None:
+    """The call of the model's last convolution if it maps to the ``K`` classes of an
+    ``(N, K)`` output with a 1 x 1 kernel (SqueezeNet's head); else ``None``."""
+    output = run.output
+    if not isinstance(output, torch.Tensor) or output.dim() != 2:
+        return None
+    modules = dict(model.named_modules())
+    convolutions = [
+        index
+        for index, call in enumerate(run.log.calls)
+        if call.name and isinstance(modules.get(call.name), nn.modules.conv._ConvNd)
+    ]
+    if not convolutions:
+        return None
+    last = modules[run.log.calls[convolutions[-1]].name]
+    assert isinstance(last, nn.modules.conv._ConvNd)
+    one_by_one = all(size == 1 for size in last.kernel_size)
+    return convolutions[-1] if one_by_one and last.out_channels == output.shape[1] else None
 
 
 def family_layer(model: nn.Module) -> str | None:

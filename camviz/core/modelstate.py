@@ -1,11 +1,24 @@
-"""Leave the model as it came: hook handles that always come off, and modes that come back.
+"""Leave the model as it came: every temporary change camviz makes to a model, made and undone
+in one place.
 
-Everything in camviz that touches a model goes through these context managers, so the
-promise "no hook left behind, same train/eval flags" is kept in one place.
+camviz changes a user's model only for the length of a block, and only through
+:func:`changed`: it takes :class:`ModelChange` objects, makes them in order and undoes them
+in reverse when the block ends, errors included (a change whose own ``apply`` fails halfway is
+undone too, since what it will restore is saved before it starts). The changes camviz makes:
 
-:func:`exclusive` serialises the calls that hook a model: two threads that explain with
-one shared model (a web service) take turns, because the hooks of one call would see the
-other's forward pass and the train/eval flags one call restores would change the other's.
+* :class:`EvalMode` - every module in eval mode (:func:`eval_mode`);
+* :class:`ForwardPrecision` - autocast and channels-last inputs around each call of the model,
+  through a forward pre-hook and a forward hook (:func:`camviz.core.precision.forward_precision`);
+* :class:`FusedAttention` - timm's attention modules switched to the fused call (LeGrad);
+* :class:`DetectorInputSize` - the sizes a torchvision detector resizes its images to
+  (:func:`camviz.models.with_input_size`);
+* :class:`Attributes` - given attributes of given modules set to given values (a detector's
+  score threshold in a folder job).
+
+Hooks come on and off through :class:`HookSet`, whose handles are removed together, on
+errors too. :func:`exclusive` serialises the calls that hook a model: two threads that
+explain with one shared model (a web service) take turns, because the hooks of one call
+would see the other's forward pass and the flags one call restores would change the other's.
 """
 
 from __future__ import annotations
@@ -13,8 +26,11 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -30,16 +46,32 @@ class HookSet:
 
     def __init__(self) -> None:
         self._handles: list[RemovableHandle] = []
+        self._marks: list[tuple[nn.Module, bool | None]] = []
 
     def add(self, handle: RemovableHandle) -> RemovableHandle:
         """Keep ``handle`` so that :meth:`remove` takes its hook off."""
         self._handles.append(handle)
         return handle
 
+    def add_full_backward_hook(
+        self, module: nn.Module, hook: Callable[..., Any]
+    ) -> RemovableHandle:
+        """``module.register_full_backward_hook(hook)``, kept like :meth:`add`.
+
+        PyTorch marks a module that was given a full backward hook for good, and refuses it
+        plain backward hooks from then on, even once the hook is removed; the mark is put
+        back as it was too.
+        """
+        self._marks.append((module, module._is_full_backward_hook))
+        return self.add(module.register_full_backward_hook(hook))
+
     def remove(self) -> None:
         """Take off every hook added so far (safe to call twice)."""
         while self._handles:
             self._handles.pop().remove()
+        while self._marks:
+            module, mark = self._marks.pop()
+            module._is_full_backward_hook = mark
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -49,6 +81,212 @@ class HookSet:
 
     def __exit__(self, *exc_info: object) -> None:
         self.remove()
+
+
+class ModelChange:
+    """One kind of temporary change to a model; :func:`changed` makes and undoes it.
+
+    A change is a description (the same object may be applied to many models, and to one
+    model more than once): what it needs to undo itself is returned by :meth:`save` and
+    handed back to :meth:`apply` and :meth:`restore`.
+    """
+
+    def save(self, model: nn.Module) -> Any:
+        """What :meth:`restore` needs, read before anything is changed."""
+        raise NotImplementedError
+
+    def apply(self, model: nn.Module, saved: Any) -> None:
+        """Make the change."""
+        raise NotImplementedError
+
+    def restore(self, model: nn.Module, saved: Any) -> None:
+        """Undo the change (also after an :meth:`apply` that failed halfway)."""
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def changed(model: nn.Module, *changes: ModelChange) -> Iterator[nn.Module]:
+    """``model`` with ``changes`` made in order for the block, undone in reverse at its end.
+
+    Every path restores: a change that fails to apply is undone with those made before it,
+    an exception in the block undoes them all, and a restore that raises does not keep the
+    others from running.
+    """
+    with contextlib.ExitStack() as undo:
+        for change in changes:
+            saved = change.save(model)
+            undo.callback(change.restore, model, saved)
+            change.apply(model, saved)
+        yield model
+
+
+@dataclass(frozen=True)
+class EvalMode(ModelChange):
+    """Every submodule in eval mode; each one's own flag comes back.
+
+    ``model.train(previous)`` would not do: a model may mix modes (frozen BatchNorm layers
+    in eval inside a model in train mode), and those must come back unchanged.
+    """
+
+    def save(self, model: nn.Module) -> list[tuple[nn.Module, bool]]:
+        return [(module, module.training) for module in model.modules()]
+
+    def apply(self, model: nn.Module, saved: Any) -> None:
+        model.eval()
+
+    def restore(self, model: nn.Module, saved: list[tuple[nn.Module, bool]]) -> None:
+        for module, training in saved:
+            module.training = training
+
+
+#: One attribute to set: its owner, its name and the value it takes during the block.
+Setting = tuple[object, str, Any]
+
+
+class _SetAttributes(ModelChange):
+    """Attributes of the model's modules set for the block; each one's value comes back."""
+
+    def settings(self, model: nn.Module) -> Sequence[Setting]:
+        """The attributes to set and their values during the block."""
+        raise NotImplementedError
+
+    def save(self, model: nn.Module) -> list[tuple[object, str, Any, Any]]:
+        return [
+            (owner, name, getattr(owner, name), value)
+            for owner, name, value in self.settings(model)
+        ]
+
+    def apply(self, model: nn.Module, saved: list[tuple[object, str, Any, Any]]) -> None:
+        for owner, name, _, value in saved:
+            setattr(owner, name, value)
+
+    def restore(self, model: nn.Module, saved: list[tuple[object, str, Any, Any]]) -> None:
+        for owner, name, previous, _ in reversed(saved):
+            setattr(owner, name, previous)
+
+
+@dataclass(frozen=True, eq=False)
+class Attributes(_SetAttributes):
+    """The given attributes set to the given values, ``(owner, name, value)`` each."""
+
+    values: tuple[Setting, ...]
+
+    def settings(self, model: nn.Module) -> Sequence[Setting]:
+        return self.values
+
+
+@dataclass(frozen=True)
+class FusedAttention(_SetAttributes):
+    """timm's attention modules built without fused attention (``TIMM_FUSED_ATTN=0``)
+    switched to the fused call, ``F.scaled_dot_product_attention``, which LeGrad intercepts
+    (their explicit softmax would escape it)."""
+
+    def settings(self, model: nn.Module) -> Sequence[Setting]:
+        return [
+            (module, "fused_attn", True)
+            for module in model.modules()
+            if getattr(module, "fused_attn", None) is False
+        ]
+
+
+@dataclass(frozen=True)
+class DetectorInputSize(_SetAttributes):
+    """A torchvision detector's images resized to ``size`` pixels on their shorter side.
+
+    Each ``GeneralizedRCNNTransform`` in the model gets ``min_size = (size,)`` and a
+    longer side of at most ``size`` times its own ratio of ``max_size`` to ``min_size``; a
+    fixed-size one (SSD) resizes to ``size x size``.
+    """
+
+    size: int
+
+    def settings(self, model: nn.Module) -> Sequence[Setting]:
+        from camviz.core.placement import detector_transforms
+
+        settings: list[Setting] = []
+        transform: Any  # torchvision's GeneralizedRCNNTransform
+        for transform in detector_transforms(model):
+            ratio = transform.max_size / transform.min_size[0]
+            settings += [
+                (transform, "min_size", (self.size,)),
+                (transform, "max_size", max(self.size, round(self.size * ratio))),
+            ]
+            if transform.fixed_size is not None:
+                settings.append((transform, "fixed_size", (self.size, self.size)))
+        return settings
+
+
+# Channels-last memory formats by tensor rank: images (N, C, H, W) and volumes (N, C, D, H, W).
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+@dataclass
+class _OpenPasses:
+    """The hooks of one :class:`ForwardPrecision` and the autocasts of calls in progress."""
+
+    hooks: HookSet = field(default_factory=HookSet)
+    autocasts: list[torch.autocast] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ForwardPrecision(ModelChange):
+    """Every call of the model under autocast to ``dtype`` (``None``: none), with a
+    channels-last copy of each image or volume input if ``channels_last``.
+
+    A forward pre-hook opens the autocast and a forward hook closes it, so only the model's
+    own calls run in reduced precision; nothing of the model is converted. An autocast that
+    a failed call left open is closed when the change is undone.
+    """
+
+    dtype: torch.dtype | None
+    channels_last: bool
+    device: torch.device
+
+    def save(self, model: nn.Module) -> _OpenPasses:
+        return _OpenPasses()
+
+    def apply(self, model: nn.Module, saved: _OpenPasses) -> None:
+        saved.hooks.add(model.register_forward_pre_hook(self._entering(saved)))
+        saved.hooks.add(model.register_forward_hook(self._leaving(saved)))
+
+    def restore(self, model: nn.Module, saved: _OpenPasses) -> None:
+        self._close(saved)  # a forward pass that raised never reached its forward hook
+        saved.hooks.remove()
+
+    def _entering(self, saved: _OpenPasses) -> Callable[[nn.Module, tuple[Any, ...]], Any]:
+        def enter(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            if self.dtype is not None:
+                context = torch.autocast(self.device.type, dtype=self.dtype)
+                context.__enter__()
+                saved.autocasts.append(context)
+            if self.channels_last:
+                args = tuple(
+                    arg.contiguous(memory_format=_CHANNELS_LAST[arg.dim()])
+                    if isinstance(arg, torch.Tensor) and arg.dim() in _CHANNELS_LAST
+                    else arg
+                    for arg in args
+                )
+            return args
+
+        return enter
+
+    def _leaving(self, saved: _OpenPasses) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if saved.autocasts:
+                saved.autocasts.pop().__exit__(None, None, None)
+
+        return leave
+
+    @staticmethod
+    def _close(saved: _OpenPasses) -> None:
+        while saved.autocasts:
+            saved.autocasts.pop().__exit__(None, None, None)
+
+
+def eval_mode(model: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
+    """Every submodule in eval mode for the block, then each one's own flag back
+    (:class:`EvalMode`)."""
+    return changed(model, EvalMode())
 
 
 _locks: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
@@ -66,22 +304,6 @@ def exclusive(model: nn.Module) -> Iterator[nn.Module]:
         lock = _locks.setdefault(model, threading.RLock())
     with lock:
         yield model
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """Put every submodule in eval mode for the block, then restore each one's own flag.
-
-    ``model.train(previous)`` would not do: a model may mix modes (frozen BatchNorm layers
-    in eval inside a model in train mode), and those must come back unchanged.
-    """
-    modes = [(module, module.training) for module in model.modules()]
-    try:
-        model.eval()  # inside the try: a module whose train() raises leaves the others set
-        yield model
-    finally:
-        for module, training in modes:
-            module.training = training
 
 
 def uncompiled(model: nn.Module) -> nn.Module:

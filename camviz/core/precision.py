@@ -37,7 +37,7 @@ from torch import nn
 
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import model_device
-from camviz.core.modelstate import HookSet
+from camviz.core.modelstate import ForwardPrecision, changed
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -102,16 +102,13 @@ def _missing(device: torch.device, dtype: torch.dtype) -> str:
     return "it needs AVX-512 FP16 or AMX-FP16"
 
 
-# Channels-last memory formats by tensor rank: images (N, C, H, W) and volumes (N, C, D, H, W).
-_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
-
-
 @contextlib.contextmanager
 def forward_precision(
     model: nn.Module, dtype: torch.dtype | None, channels_last: bool, device: torch.device
 ) -> Iterator[None]:
     """Run every call of ``model`` in the block under autocast to ``dtype`` (``None``: none),
-    with a channels-last copy of each image or volume input if ``channels_last``.
+    with a channels-last copy of each image or volume input if ``channels_last``
+    (:class:`~camviz.core.modelstate.ForwardPrecision`).
 
     The hooks come off and any autocast a failed call left open is closed when the block
     ends, errors included.
@@ -119,34 +116,8 @@ def forward_precision(
     if dtype is None and not channels_last:
         yield
         return
-    open_contexts: list[torch.autocast] = []
-
-    def enter(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        if dtype is not None:
-            context = torch.autocast(device.type, dtype=dtype)
-            context.__enter__()
-            open_contexts.append(context)
-        if channels_last:
-            args = tuple(
-                arg.contiguous(memory_format=_CHANNELS_LAST[arg.dim()])
-                if isinstance(arg, torch.Tensor) and arg.dim() in _CHANNELS_LAST
-                else arg
-                for arg in args
-            )
-        return args
-
-    def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if open_contexts:
-            open_contexts.pop().__exit__(None, None, None)
-
-    with HookSet() as hooks:
-        hooks.add(model.register_forward_pre_hook(enter))
-        hooks.add(model.register_forward_hook(leave))
-        try:
-            yield
-        finally:
-            while open_contexts:  # a forward pass that raised never reached `leave`
-                open_contexts.pop().__exit__(None, None, None)
+    with changed(model, ForwardPrecision(dtype, channels_last, device)):
+        yield
 
 
 def model_precision(

@@ -27,6 +27,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from camviz.core.modelstate import HookSet
+
 
 class RoIRows:
     """Gradients through one ``RoIHeads`` module for the RoIs a score depends on only.
@@ -85,15 +87,10 @@ class RoIRows:
             )
             return self._leaves
 
-        handles = [
-            self.pool.register_forward_hook(on_pool),
-            self.predictor.register_forward_hook(on_predictor),
-        ]
-        try:
+        with HookSet() as hooks:
+            hooks.add(self.pool.register_forward_hook(on_pool))
+            hooks.add(self.predictor.register_forward_hook(on_predictor))
             yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def gradients(
         self, score: torch.Tensor, inputs: Sequence[torch.Tensor], retain_graph: bool

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from camviz.core.errors import CamvizError
+from camviz.core.modelstate import Attributes, changed
 from camviz.core.targets import Region, Target, as_logits
 from camviz.io.models import DEFAULT_CLIP_LEN, LoadedModel, Task, with_input_size
 from camviz.pipeline.inputs import Item
@@ -188,16 +189,6 @@ def _detection(
     return groups
 
 
-# The settings of torchvision's detectors that a job changes: where they are, what they are.
-_DETECTOR_SETTINGS = (
-    ("roi_heads", "score_thresh"),  # R-CNNs
-    ("", "score_thresh"),  # RetinaNet, FCOS, SSD
-    ("transform", "min_size"),
-    ("transform", "max_size"),
-    ("transform", "fixed_size"),
-)
-
-
 @contextmanager
 def prepared(
     loaded: LoadedModel, options: TaskOptions, input_size: int | None
@@ -207,24 +198,30 @@ def prepared(
     Images are scaled to ``input_size`` (:func:`~camviz.models.with_input_size`), and a
     detector returns every detection scored ``options.min_score`` or more: detectors drop
     detections below their own threshold (0.05 for Faster R-CNN, 0.001 for SSDlite), so a
-    lower ``min_score`` would otherwise silently miss objects.
+    lower ``min_score`` would otherwise silently miss objects. Both, and any other change
+    ``loaded`` carries (:attr:`~camviz.models.LoadedModel.changes`), are made for the block
+    through :func:`camviz.core.modelstate.changed`.
     """
-    modules = dict(loaded.model.named_modules())  # "" is the model itself
-    saved = [
-        (modules[path], name, getattr(modules[path], name))
-        for path, name in _DETECTOR_SETTINGS
-        if path in modules and hasattr(modules[path], name)
-    ]
-    try:
-        running = loaded if input_size is None else with_input_size(loaded, input_size)
-        if loaded.task == "detection":
-            for owner, name, value in saved:
-                if name == "score_thresh" and isinstance(value, float):
-                    setattr(owner, name, min(value, options.min_score))
+    running = loaded if input_size is None else with_input_size(loaded, input_size)
+    thresholds = _score_thresholds(loaded, options.min_score)
+    with changed(running.model, *running.changes, thresholds):
         yield running
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
+
+
+def _score_thresholds(loaded: LoadedModel, min_score: float) -> Attributes:
+    """A detector's own score thresholds lowered to ``min_score`` (nothing for other tasks):
+    ``roi_heads.score_thresh`` of the R-CNNs, ``score_thresh`` of RetinaNet, FCOS and SSD."""
+    if loaded.task != "detection":
+        return Attributes(())
+    owners = [loaded.model, getattr(loaded.model, "roi_heads", None)]
+    thresholds = [(owner, getattr(owner, "score_thresh", None)) for owner in owners]
+    return Attributes(
+        tuple(
+            (owner, "score_thresh", min(threshold, min_score))
+            for owner, threshold in thresholds
+            if isinstance(threshold, float)
+        )
+    )
 
 
 def clip_spec(
