@@ -20,7 +20,8 @@ ALLOWED = {
     "debug": {"core", "io", "debug"},
     "pipeline": {"core", "cams", "io", "debug", "pipeline"},
     "evaluation": {"core", "cams", "io", "debug", "evaluation"},
-    "cli": {"core", "cams", "io", "debug", "pipeline", "evaluation", "cli"},
+    "units": {"core", "cams", "io", "debug", "pipeline", "units"},
+    "cli": {"core", "cams", "io", "debug", "pipeline", "evaluation", "units", "cli"},
 }
 
 
