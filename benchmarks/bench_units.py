@@ -26,7 +26,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -57,7 +56,7 @@ def main() -> None:
 
         def timed(step: Callable[[torch.Tensor], None]) -> float:
             started = time.perf_counter()
-            for positions, batch, _ in scan_batches(
+            for _, batch, _ in scan_batches(
                 dataset, preprocess, order, args.batch_size, 0, None
             ):
                 assert batch is not None

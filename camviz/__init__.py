@@ -37,6 +37,7 @@ _EXPORTS = {
     "GradientMonitor": "camviz.debug.monitor:GradientMonitor",
     "ImageResult": "camviz.pipeline.dataset:ImageResult",
     "LayerTable": "camviz.debug.layerstats:LayerTable",
+    "ModelError": "camviz.core.errors:ModelError",
     "Nearest": "camviz.core.targets:Nearest",
     "NonFiniteError": "camviz.core.errors:NonFiniteError",
     "Preprocess": "camviz.io.images:Preprocess",
@@ -114,6 +115,7 @@ if TYPE_CHECKING:
     from camviz.core.detection import DenseDetections as DenseDetections
     from camviz.core.detection import Detection as Detection
     from camviz.core.errors import CamvizError as CamvizError
+    from camviz.core.errors import ModelError as ModelError
     from camviz.core.errors import NonFiniteError as NonFiniteError
     from camviz.core.errors import ZeroMapWarning as ZeroMapWarning
     from camviz.core.hooks import capture as capture

@@ -287,3 +287,21 @@ def assert_rows_match():
             assert close(got, want), (got, want)
 
     return check
+
+
+@pytest.fixture(scope="session")
+def synthetic_classifier():
+    """The shipped synthetic CNN as a loaded model for folder jobs: 32 px images in ``[0, 1]``
+    (it normalises them itself), its four classes, its ``features`` layer. A job through it
+    costs milliseconds per image."""
+    from camviz.evaluation import synthetic
+    from camviz.io.images import Preprocess
+    from camviz.io.models import LoadedModel
+
+    return LoadedModel(
+        model=synthetic.load_model(),
+        preprocess=Preprocess(size=32, mean=(0, 0, 0), std=(1, 1, 1)),
+        categories=list(synthetic.CLASSES),
+        name="synthetic-cnn",
+        default_layer=synthetic.TARGET_LAYER,
+    )

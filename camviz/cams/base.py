@@ -23,6 +23,7 @@ from torch import nn
 
 from camviz.cams.projection import first_principal_component
 from camviz.core.errors import CamvizError
+from camviz.core.inputs import run_model
 from camviz.core.placement import Placement, Stretch
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ class LayerData:
         """The model's output with the map input replaced by ``inputs``, whose row ``r`` was
         made from sample ``rows[r]`` (the model's other inputs, if any, follow ``rows``)."""
         if self.batch is None:
-            return self.model(inputs)
+            return run_model(self.model, inputs)
         return self.batch.run(self.model, inputs, rows)
 
     @property

@@ -7,7 +7,11 @@ Subcommands only parse arguments and call the Python API, and they import torch 
 
 A :class:`~camviz.core.errors.CamvizError` (a user mistake) is printed as one line on stderr
 with exit status 1, and so is an ``OSError`` that no layer below turned into one (a disk
-that fails); argument errors exit with 2, as argparse does. Every message goes through
+that fails); argument errors exit with 2, as argparse does. An interrupted run (Ctrl-C,
+``SIGINT``) stops cleanly with status 130, and so does one that is told to stop
+(``SIGTERM``, what batch schedulers and ``torchrun`` send) with status 143 (128 + 15, as a
+shell reports it): the folder's lock is released and every file is whole, so the same
+command resumes. Every message goes through
 :func:`camviz.cli.text.printable`, so a file name cannot write escape sequences to the
 terminal or break the line.
 """
@@ -15,10 +19,14 @@ terminal or break the line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from types import FrameType
 
 from camviz import __version__
 from camviz.cli.text import Parser, printable
@@ -51,11 +59,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """``SIGTERM``, raised in the main thread: the run stops as after Ctrl-C."""
+
+
+def _terminate(number: int, frame: FrameType | None) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupted() -> Iterator[None]:
+    """``SIGTERM`` raises :class:`Terminated` while the block runs (in the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        with _terminated_as_interrupted():
+            return args.run(args)
     except CamvizError as error:
         print(f"camviz: error: {printable(str(error))}", file=sys.stderr)
         return 1
@@ -68,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = f"{error.strerror or first_line(error)}{where}"
         print(f"camviz: error: {printable(message)}", file=sys.stderr)
         return 1
+    except Terminated:
+        print("camviz: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("camviz: interrupted", file=sys.stderr)
         return 130

@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from camviz import cams
-    from camviz.cli.options import load_model
+    from camviz.cams.settings import ExplainSettings
+    from camviz.cli.options import explain_settings, load_model
     from camviz.cli.text import printable
     from camviz.core.errors import CamvizError
     from camviz.evaluation.report import compare, write_report
@@ -66,14 +67,11 @@ def run(args: argparse.Namespace) -> int:
         args.images,
         loaded,
         methods,
-        layer=args.layer,
         steps=args.steps,
         batch_size=args.batch_size,
         progress=lambda line: print(printable(line), file=sys.stderr),
         bar=None,
-        precision=args.precision,
-        channels_last=args.channels_last,
-        memory_budget=args.memory_budget,
+        settings=ExplainSettings(**explain_settings(args)),
     )
     written = write_report(comparison, args.out)
     print("| method | deletion AUC | insertion AUC | average drop % | win rate % | ms / image |")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from camviz.cli.options import (
     add_memory_budget_option,
@@ -12,6 +13,9 @@ from camviz.cli.options import (
     add_precision_options,
 )
 from camviz.cli.text import printable
+
+if TYPE_CHECKING:
+    from camviz.pipeline.settings import JobSettings
 
 # Skipped inputs listed on stderr; the manifest has them all.
 _LISTED_FAILURES = 10
@@ -40,6 +44,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "paths, or videos",
     )
     add_model_options(parser)
+    _add_what_to_explain(parser)
+    _add_outputs(parser)
+    _add_batches(parser)
+    add_precision_options(parser)
+    add_memory_budget_option(parser)
+    _add_task_options(parser)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run)
+
+
+def _add_what_to_explain(parser: argparse.ArgumentParser) -> None:
+    """``--layer``, ``--target``, ``--similar-to`` and ``--method``."""
     parser.add_argument("--layer", default=None, help="target layer (see `camviz layers`)")
     parser.add_argument(
         "--target",
@@ -57,6 +73,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "similarity of their outputs) instead of a class; --target is then ignored",
     )
     parser.add_argument("--method", default="gradcam", help="CAM method (see `camviz methods`)")
+
+
+def _add_outputs(parser: argparse.ArgumentParser) -> None:
+    """``--out`` and what is written there."""
     parser.add_argument("--out", default="camviz-out", metavar="DIR", help="output folder")
     parser.add_argument(
         "--alpha", type=float, default=0.5, help="heatmap weight in the overlay, 0..1"
@@ -80,6 +100,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="also write the raw heatmap, as compressed float32 .npz or 16-bit .png",
     )
+
+
+def _add_batches(parser: argparse.ArgumentParser) -> None:
+    """Batches, decoding workers, frames, the device and the input size."""
     parser.add_argument(
         "--batch-size", type=_positive, default=16, metavar="N", help="images per batch"
     )
@@ -110,8 +134,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="scale each image's shorter side to PIXELS instead of the model's size (for a "
         "detector: its own resize)",
     )
-    add_precision_options(parser)
-    add_memory_budget_option(parser)
+
+
+def _add_task_options(parser: argparse.ArgumentParser) -> None:
+    """The options of detection and video models."""
     detection = parser.add_argument_group("detection models")
     detection.add_argument(
         "--min-score",
@@ -142,8 +168,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="frames from one clip's start to the next (default: --clip-len)",
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.set_defaults(run=run)
 
 
 def _positive(text: str) -> int:
@@ -177,34 +201,38 @@ def run(args: argparse.Namespace) -> int:
     from camviz.cli.options import load_model, model_device_option
     from camviz.io.pictures import check_render_options
     from camviz.pipeline import distributed
-    from camviz.pipeline.job import Outputs, RenderOptions, explain_files
-    from camviz.pipeline.tasks import TaskOptions
+    from camviz.pipeline.job import explain_files
 
     check_render_options(args.alpha, args.colormap)
-    outputs = Outputs(overlay=args.overlay, panel=args.panel, heatmap=args.heatmap)
-    target = int(args.target) if args.target.lstrip("-").isdigit() else args.target
     context = distributed.from_environment()
     device = model_device_option(args.device, context)
     loaded = load_model(args)
     loaded.model.to(device)
+    manifest = explain_files(args.inputs, args.out, loaded, _settings(args, loaded))
+    if context.is_main:
+        _report(manifest, args.out)
+    return 0
+
+
+def _settings(args: argparse.Namespace, loaded: object) -> JobSettings:
+    """The job's settings from the command line (``--similar-to`` needs the model)."""
+    from camviz.cli.options import explain_settings
+    from camviz.pipeline.settings import JobSettings, Outputs, RenderOptions
+    from camviz.pipeline.tasks import TaskOptions
+
+    target = int(args.target) if args.target.lstrip("-").isdigit() else args.target
     if args.similar_to is not None:
         target = _similarity(args.similar_to, loaded)
-    manifest = explain_files(
-        args.inputs,
-        args.out,
-        loaded,
+    return JobSettings(
+        **explain_settings(args),
         method=args.method,
-        layer=args.layer,
         target=target,
         render=RenderOptions(alpha=args.alpha, colormap=args.colormap),
-        outputs=outputs,
+        outputs=Outputs(overlay=args.overlay, panel=args.panel, heatmap=args.heatmap),
         batch_size=args.batch_size,
         workers=args.workers,
         every=args.every,
         progress=False if args.quiet else None,
-        precision=args.precision,
-        channels_last=args.channels_last,
-        memory_budget=args.memory_budget,
         task_options=TaskOptions(
             min_score=args.min_score,
             max_objects=args.max_objects,
@@ -213,9 +241,6 @@ def run(args: argparse.Namespace) -> int:
         ),
         input_size=args.input_size,
     )
-    if context.is_main:
-        _report(manifest, args.out)
-    return 0
 
 
 def _similarity(path: str, loaded: object) -> object:
@@ -236,6 +261,12 @@ def _report(manifest: dict, out: str) -> None:
     rows = os.path.join(out, "manifest.jsonl")
     if len(failed) > _LISTED_FAILURES:
         _warn(f"... and {len(failed) - _LISTED_FAILURES} more skipped; see {rows}")
+    skipped = manifest.get("skipped_rows", 0)
+    if skipped:
+        _warn(
+            f"{skipped} line(s) of {rows} are not camviz rows (cut short by a crash, or edited) "
+            "and were left out"
+        )
     others = manifest["other_files"]
     if others:
         _warn(

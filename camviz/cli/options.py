@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +68,17 @@ def _byte_count(text: str) -> int:
         return parse_bytes(text, option="--memory-budget")
     except CamvizError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def explain_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings that ``camviz explain`` and ``camviz compare`` share, as the keywords of
+    :class:`camviz.cams.settings.ExplainSettings` (and so of ``JobSettings``)."""
+    return {
+        "layer": args.layer,
+        "precision": args.precision,
+        "channels_last": args.channels_last,
+        "memory_budget": args.memory_budget,
+    }
 
 
 def load_model(args: argparse.Namespace) -> LoadedModel:

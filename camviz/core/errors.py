@@ -17,6 +17,17 @@ class NonFiniteError(CamvizError):
     """
 
 
+class ModelError(CamvizError, RuntimeError):
+    """The user's model raised an exception while camviz ran it; the original is the
+    ``__cause__``.
+
+    It belongs to the inputs the model was given, like :class:`NonFiniteError`: a run over
+    many inputs records it for them and goes on. It is a ``RuntimeError`` too, as most
+    failures of a model are, so code that caught the model's own ``RuntimeError`` still
+    catches it.
+    """
+
+
 class ZeroMapWarning(RuntimeWarning):
     """Some maps are all zero: the explained score has no positive evidence at the layer.
 

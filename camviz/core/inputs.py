@@ -19,11 +19,21 @@ each image's size (:attr:`Inputs.image_sizes`), and the detector is called with 
 the images cropped back out of it, so every re-run of the model (masked copies, rows of
 other samples) hands the detector each image at its own size. A list in gives a list of
 maps out, each at its own image's size, even when the images have one size.
+
+**The model's own failures.** Every call of the user's model goes through
+:func:`run_model`: an exception raised by the model's code (a shape its layers refuse, an
+assertion of its own) becomes a :class:`~camviz.core.errors.ModelError` with the original as
+its ``__cause__``, which says that the model failed on these inputs, so that a run over many
+inputs can record it for them. A :class:`~camviz.core.errors.CamvizError` and an
+out-of-memory error pass as they are, and so does anything raised by camviz's own hooks
+inside the pass: a bug of camviz keeps its traceback.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -31,8 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from camviz.core.errors import CamvizError
+from camviz.core.errors import CamvizError, ModelError, first_line
 from camviz.core.layerkinds import spatial_rank_of_model
+from camviz.core.memory import is_out_of_memory
 from camviz.core.placement import takes_image_lists
 
 Key = int | str
@@ -44,8 +55,49 @@ def model_device(model: nn.Module) -> torch.device | None:
     return None if tensor is None else tensor.device
 
 
+def run_model(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``model(*args, **kwargs)``; what the model's own code raises becomes a ModelError.
+
+    Raises:
+        ModelError: The model raised (the original is the ``__cause__``).
+        CamvizError: As raised inside the pass (a hook's check, a NaN).
+        Exception: Out-of-memory errors, and errors raised by camviz's hooks, as they are.
+    """
+    try:
+        return model(*args, **kwargs)
+    except CamvizError:
+        raise
+    except Exception as error:
+        if is_out_of_memory(error) or _raised_by_camviz(error):
+            raise
+        raise ModelError(
+            f"the model failed on this input ({type(error).__name__}: {first_line(error)})"
+        ) from error
+
+
+# camviz's own source files, and the camviz functions that run the model's code rather than
+# their own: a module's forward (the shipped synthetic models) and the torch modes that see
+# each call (core.calls, core.memory).
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_MODEL_CODE = frozenset({"forward", "__torch_function__", "__torch_dispatch__"})
+
+
+def _raised_by_camviz(error: BaseException) -> bool:
+    """Whether ``error`` comes from camviz's code inside the model's pass (a hook): a camviz
+    frame called from outside camviz, other than one that runs the model's own code."""
+    caller_in_camviz = True  # the first frame is run_model's
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        code = frame.f_code
+        inside = code.co_filename.startswith(_PACKAGE)
+        if inside and not caller_in_camviz and code.co_name not in _MODEL_CODE:
+            return True
+        caller_in_camviz = inside
+    return False
+
+
 def call_model(model: nn.Module, inputs: Any) -> Any:
-    """``model(inputs)``, ``model(*inputs)`` or ``model(**inputs)``, on the model's device.
+    """``model(inputs)``, ``model(*inputs)`` or ``model(**inputs)``, on the model's device,
+    through :func:`run_model`.
 
     Args:
         model: The network to run.
@@ -59,10 +111,10 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
         return value.to(device) if isinstance(value, torch.Tensor) and device else value
 
     if isinstance(inputs, Mapping):
-        return model(**{key: move(value) for key, value in inputs.items()})
+        return run_model(model, **{key: move(value) for key, value in inputs.items()})
     if isinstance(inputs, Sequence) and not isinstance(inputs, str):
-        return model(*(move(value) for value in inputs))
-    return model(move(inputs))
+        return run_model(model, *(move(value) for value in inputs))
+    return run_model(model, move(inputs))
 
 
 @dataclass(frozen=True)
@@ -96,7 +148,7 @@ class Inputs:
     def __call__(self, model: nn.Module) -> Any:
         """The model's output for these inputs (a list of images: the list of crops)."""
         if self.image_sizes is None:
-            return model(*self.args, **self.kwargs)
+            return run_model(model, *self.args, **self.kwargs)
         sizes = self.image_sizes
         images = [corner(image, size) for image, size in zip(self.main, sizes, strict=True)]
         return self.replaced({self.key: images}, keep_sizes=False)(model)

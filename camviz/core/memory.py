@@ -61,6 +61,20 @@ def parse_bytes(value: int | str, option: str = "memory_budget") -> int:
     )
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` says that memory ran out: a GPU's ``torch.OutOfMemoryError``,
+    Python's ``MemoryError``, or the ``RuntimeError`` of PyTorch's CPU allocator."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and any(
+        phrase in str(error) for phrase in _OUT_OF_MEMORY
+    )
+
+
+# How PyTorch's allocators say that an allocation failed, when they raise a RuntimeError.
+_OUT_OF_MEMORY = ("can't allocate memory", "out of memory")
+
+
 def default_budget(device: torch.device) -> int:
     """The memory a method may add when none is given: 1 GiB, or on a GPU half of its free
     memory, at most 8 GiB."""

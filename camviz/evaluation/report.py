@@ -43,12 +43,12 @@ from PIL import Image
 from torch import nn
 
 from camviz.cams.engine import Explanation, explain
-from camviz.cams.perturbation import budget_option
 from camviz.cams.registry import get
+from camviz.cams.settings import ExplainSettings, settings_or_keywords
 from camviz.core.errors import CamvizError
-from camviz.core.inputs import as_batch, model_device
+from camviz.core.inputs import as_batch, run_model
 from camviz.core.layers import Layer
-from camviz.core.precision import Precision, check_precision
+from camviz.core.precision import Precision
 from camviz.core.targets import as_logits, class_name
 from camviz.evaluation.metrics import (
     Confidence,
@@ -166,6 +166,7 @@ def compare(
     channels_last: bool = False,
     bar: bool | None = False,
     memory_budget: int | str | None = None,
+    settings: ExplainSettings | None = None,
 ) -> Comparison:
     """Explain every image with every method and measure each map.
 
@@ -184,6 +185,9 @@ def compare(
             (when stderr is a terminal).
         memory_budget: The ``memory_budget`` of the perturbation methods among ``methods``
             (bytes, or ``"512MiB"``); ``None``: their default.
+        settings: ``layer``, ``precision``, ``channels_last`` and ``memory_budget`` in one
+            object, as ``camviz explain`` takes them too (then not as keywords; its
+            ``method`` is unused: ``methods`` are compared).
 
     Returns:
         The :class:`Comparison`; write it with :func:`write_report`.
@@ -192,23 +196,23 @@ def compare(
         raise CamvizError("no image given; pass one or more image files")
     if not methods:
         raise CamvizError("no method given; pass one or more CAM method names")
+    keywords = ExplainSettings(
+        layer=layer, precision=precision, channels_last=channels_last, memory_budget=memory_budget
+    )
+    chosen = settings_or_keywords(settings, keywords)
+    method_options = chosen.method_options(loaded.model, methods)  # before any model work
     names = [get(method).name for method in methods]
-    method_options = {name: budget_option(get(name), memory_budget) for name in names}
     images = [load_image(path) for path in paths]
     labels = image_labels(paths)
-    layer = layer if layer is not None else loaded.default_layer
+    layer = chosen.layer if chosen.layer is not None else loaded.default_layer
     model = loaded.model
-    used = any(get(name).reduced_precision for name in names)
-    device = model_device(model) or torch.device("cpu")
-    check_precision(precision, device, used=used)  # before any model work
-    explain_as_asked = partial(explain, precision=precision, channels_last=channels_last)
     cells, thumbnails = [], []
     measuring = _metrics_bar(len(paths), bar)
     for image_index, (label, image) in enumerate(zip(labels, images, strict=True)):
         inputs = as_batch(loaded.preprocess(image), model)
         probabilities, class_id = _top_class(model, inputs, label)
         explained = [
-            partial(explain_as_asked, model, inputs, name, layer, class_id, **method_options[name])
+            partial(explain, model, inputs, name, layer, class_id, **method_options[name])
             for name in names
         ]
         if image_index == 0:
@@ -256,7 +260,7 @@ def _top_class(model: nn.Module, inputs: torch.Tensor, label: str) -> tuple[torc
         CamvizError: The output is not finite.
     """
     with torch.inference_mode():
-        probabilities = as_logits(model(inputs)).softmax(dim=-1)[0]
+        probabilities = as_logits(run_model(model, inputs)).softmax(dim=-1)[0]
     if not bool(torch.isfinite(probabilities).all()):
         raise CamvizError(
             f"the model's output for {label} is not finite (NaN or Inf); check the "

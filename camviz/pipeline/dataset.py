@@ -10,7 +10,14 @@ fullest bucket goes early, so memory stays bounded. Each heatmap covers exactly 
 (why not padding or squashing: ``docs/architecture.md``).
 
 **Unreadable inputs** (a corrupt file, a text file named ``.jpg``, a missing frame) do not
-stop the run: they come out as results with ``status == "error"`` and the reason.
+stop the run: they come out as results with ``status == "error"`` and the reason. Nor do
+failures that belong to an input: the model failed on it (its exception, raised where camviz
+calls the model, becomes a :class:`~camviz.core.errors.ModelError`), its output or map is
+not finite, another :class:`~camviz.core.errors.CamvizError`, or memory ran out; the batch
+is retried one image at a time and an image that fails alone gets its error result. Until
+an input has been explained, a ``CamvizError`` about what was asked (the method, layer or
+target) stops the run instead, since every input would repeat it. Any other exception is a
+bug of camviz and keeps its traceback.
 
 **JPEGs on a GPU.** With the model on CUDA, workers read JPEG files as bytes and each
 batch of them is decoded, resized and normalised on the GPU (:mod:`camviz.pipeline.decoding`).
@@ -27,8 +34,8 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
-from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -36,93 +43,42 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from camviz.cams import get as get_method
 from camviz.cams.engine import explain
-from camviz.core.errors import CamvizError, NonFiniteError, ZeroMapWarning, first_line
-from camviz.core.inputs import model_device
+from camviz.cams.settings import ExplainSettings
+from camviz.core.errors import CamvizError, ModelError, NonFiniteError, ZeroMapWarning, first_line
+from camviz.core.inputs import model_device, run_model
 from camviz.core.layers import Layer
+from camviz.core.memory import is_out_of_memory
 from camviz.core.modelstate import eval_mode
-from camviz.core.precision import at_least_fp32, check_precision, forward_precision
-from camviz.core.targets import Target, as_logits, class_name
+from camviz.core.precision import at_least_fp32, forward_precision
+from camviz.core.targets import Target, as_logits
 from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
 from camviz.io.models import LoadedModel, Task, task_of
 from camviz.io.video import FrameReader
 from camviz.pipeline.decoding import decode, decoder, device_decodes, encoded_jpeg
 from camviz.pipeline.inputs import Item, expand, not_a_regular_file
+from camviz.pipeline.results import (
+    TOP_PREDICTIONS,
+    ImageResult,
+    Prediction,
+    failed,
+    nothing,
+    results_of,
+)
 from camviz.pipeline.tasks import Group, TaskOptions, clip_spec, plan
 
-#: How many predictions each result keeps, best first.
-TOP_PREDICTIONS = 5
+# ImageResult and Prediction, what explain_dataset yields, are made in results.py.
+__all__ = [
+    "TOP_PREDICTIONS",
+    "Clip",
+    "ImageResult",
+    "ItemDataset",
+    "Prediction",
+    "explain_dataset",
+]
 
 # Images that may wait in buckets, in batches: bounds memory when many shapes are mixed.
 _WAITING_BATCHES = 4
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """One class's score for one image.
-
-    Attributes:
-        id: The class index (``-1`` for a callable target).
-        name: The class name (``"class 7"`` when the model has no names for its classes).
-        score: The logit.
-        probability: Its softmax probability, or ``None`` when the output is not a
-            ``(N, classes)`` score table or the target is a callable.
-        box: For a detected object, its ``[x0, y0, x1, y1]`` box in the image's pixels.
-    """
-
-    id: int
-    name: str
-    score: float
-    probability: float | None
-    box: list[float] | None = None
-
-
-@dataclass
-class ImageResult:
-    """What :func:`explain_dataset` yields for one input.
-
-    Attributes:
-        index: The input's position in the dataset (or in the expanded list of paths).
-        path: The file, for inputs given as paths; ``None`` for a ``Dataset``.
-        frame: The video frame index, or ``None``.
-        status: ``"ok"``, or ``"error"`` when the input could not be read or explained.
-        reason: Why it failed (one line), for an error; for an input explained with
-            nothing to explain (no object above the score asked for), what was found.
-        image: The original image, upright RGB (``None`` for errors, for tensor inputs and
-            with ``keep_images=False``).
-        size: The original image's ``(width, height)`` (``None`` for errors and tensors).
-        frames: For a clip, its original frames, ``(T, H, W, 3)`` uint8 (``image`` is then
-            ``None``).
-        heatmaps: ``(K, H, W)`` maps in ``[0, 1]`` at the model's input size, one per
-            explained class (``(K, T, H, W)`` for clips); resize one to ``image.size`` to lay
-            it on the photo.
-        explained: The ``K`` explained classes with their scores, in rank order.
-        top: The best :data:`TOP_PREDICTIONS` classes, best first.
-        seconds: Time spent on this input: its decoding plus its share of its batch.
-        method: The CAM method's name.
-        layers: The target layer names.
-    """
-
-    index: int
-    path: str | None
-    frame: int | None
-    status: Literal["ok", "error"]
-    reason: str | None = None
-    image: Image.Image | None = None
-    frames: torch.Tensor | None = None
-    size: tuple[int, int] | None = None
-    heatmaps: torch.Tensor | None = None
-    explained: list[Prediction] = field(default_factory=list)
-    top: list[Prediction] = field(default_factory=list)
-    seconds: float = 0.0
-    method: str | None = None
-    layers: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """Whether the input was explained."""
-        return self.status == "ok"
 
 
 @dataclass
@@ -391,7 +347,7 @@ def _explained(
             for sample in samples:
                 if sample.reason is not None:
                     bar.update(1)
-                    yield _failed(sample, sample.reason, items)
+                    yield failed(sample, sample.reason, items)
                     continue
                 for result in explainer(buckets.add(sample), items):
                     bar.update(1)
@@ -490,46 +446,60 @@ class _BatchExplainer:
         self.task = task
         self.task_options = task_options or TaskOptions()
         self.device = model_device(network) or torch.device("cpu")
+        precision = options.get("precision", "fp32")
+        self.dtype = ExplainSettings(method, precision=precision).forward_dtype(self.device)
+        self.explained_any = False  # whether an input was explained yet
 
     def __call__(self, samples: list[_Sample], items: list[Item] | None) -> list[ImageResult]:
         if not samples:
             return []
-        inputs = []
-        for sample in samples:
-            assert sample.inputs is not None  # only decoded samples are batched
-            inputs.append(sample.inputs)
         started = time.perf_counter()
         try:
-            batch = torch.stack([one.to(self.device, non_blocking=True) for one in inputs])
-            groups = plan(
-                self.task,
-                self._forward,
-                batch,
-                self.target,
-                self.categories or [],
-                self.task_options,
-            )
-            explained = [(group, self._explain(batch, group)) for group in groups]
-        except (NonFiniteError, RuntimeError, ValueError, AssertionError) as error:
-            # A model that fails on some input (an odd size, out of memory on a big batch, a
-            # NaN) fails one image, not the run: the batch is retried one image at a time.
-            if len(samples) > 1:
-                return [result for sample in samples for result in self([sample], items)]
-            reason = (
-                str(error)
-                if isinstance(error, NonFiniteError)
-                else f"the model failed on this input ({first_line(error)})"
-            )
-            return [_failed(samples[0], reason, items)]
+            explained = self._explained(samples)
+        except (CamvizError, RuntimeError, MemoryError) as error:
+            if not belongs_to_input(error):
+                raise  # a bug of camviz keeps its traceback: it is no row of an input
+            return self._retried(samples, items, error)
+        self.explained_any = True
         share = (time.perf_counter() - started) / len(samples)
         results = []
         for group, explanation in explained:
             chosen = [samples[position] for position in group.positions]
             if explanation is None:
-                results += [_nothing(sample, group.reason, items, share) for sample in chosen]
+                results += [nothing(sample, group.reason, items, share) for sample in chosen]
             else:
-                results += self._results(chosen, explanation, share, items, group)
+                logits = self._logits(explanation, len(chosen))
+                results += results_of(
+                    chosen, explanation, logits, group.boxes, self.categories, items, share
+                )
         return results
+
+    def _explained(self, samples: list[_Sample]) -> list[tuple[Group, Any]]:
+        """Each group of the batch of ``samples`` with its explanation (``None``: nothing to
+        explain)."""
+        inputs = []
+        for sample in samples:
+            assert sample.inputs is not None  # only decoded samples are batched
+            inputs.append(sample.inputs.to(self.device, non_blocking=True))
+        batch = torch.stack(inputs)
+        groups = plan(
+            self.task, self._forward, batch, self.target, self.categories or [], self.task_options
+        )
+        return [(group, self._explain(batch, group)) for group in groups]
+
+    def _retried(
+        self, samples: list[_Sample], items: list[Item] | None, error: BaseException
+    ) -> list[ImageResult]:
+        """The results of a batch that failed: a model that fails on some input (an odd
+        size, out of memory on a big batch, a NaN) fails that image, not the run, so the
+        batch is retried one image at a time, and an image that fails alone gets a row."""
+        if len(samples) > 1:
+            return [result for sample in samples for result in self([sample], items)]
+        if not self.explained_any and _about_the_arguments(error):
+            # Before any input is explained: a mistake in the method, layer or target, which
+            # every input would repeat.
+            raise error
+        return [failed(samples[0], _reason(error), items)]
 
     def _explain(self, batch: torch.Tensor, group: Group) -> Any:
         """The explanation of one group's samples; ``None`` for one with nothing to explain."""
@@ -545,157 +515,40 @@ class _BatchExplainer:
 
     def _forward(self, batch: torch.Tensor) -> Any:
         """The model's output for ``batch``, without gradients, at the run's precision."""
-        used = get_method(self.method).reduced_precision
-        dtype = check_precision(self.options.get("precision", "fp32"), self.device, used=used)
         channels_last = self.options.get("channels_last", False)
         with (
             torch.no_grad(),
             eval_mode(self.network),
-            forward_precision(self.network, dtype, channels_last, self.device),
+            forward_precision(self.network, self.dtype, channels_last, self.device),
         ):
-            return at_least_fp32(self.network(batch))
+            return at_least_fp32(run_model(self.network, batch))
 
-    def _results(
-        self,
-        samples: list[_Sample],
-        explanation: Any,
-        share: float,
-        items: list[Item] | None,
-        group: Group,
-    ) -> list[ImageResult]:
-        # A detector's output is a list of detections per image, not a score tensor.
-        logits = (
-            torch.zeros(len(samples), 0)
-            if self.task == "detection"
-            else as_logits(explanation.output, self.options.get("output_key")).detach().float()
-        )
-        table = logits.dim() == 2 and logits.shape[1] > 0  # (N, classes): probabilities
-        probabilities = logits.softmax(-1).cpu() if table else None
-        if probabilities is not None:
-            best = probabilities.topk(min(TOP_PREDICTIONS, logits.shape[-1]), dim=-1)
-            top_ids, top_probabilities = best.indices.tolist(), best.values.tolist()
-            top_scores = logits.cpu().gather(1, best.indices).tolist()
-        ranks = len(explanation.targets) // len(samples)
-        targets = explanation.targets.tolist()
-        scores = explanation.scores.tolist()
-        heatmaps = explanation.heatmaps.detach().cpu()
-        finite = _finite_per_sample(logits, explanation.scores, heatmaps, len(samples))
-        results = []
-        for position, sample in enumerate(samples):
-            if not finite[position]:
-                results.append(_failed(sample, _NOT_FINITE, items))
-                continue
-            rows = range(position * ranks, (position + 1) * ranks)
-            explained = [
-                Prediction(
-                    id=targets[row],
-                    name=self._name(targets[row]),
-                    score=scores[row],
-                    probability=(
-                        float(probabilities[position, targets[row]])
-                        if probabilities is not None and targets[row] >= 0
-                        else None
-                    ),
-                    box=group.boxes[row - rows.start] if group.boxes else None,
-                )
-                for row in rows
-            ]
-            top = (
-                [
-                    Prediction(class_id, self._name(class_id), score, probability)
-                    for class_id, score, probability in zip(
-                        top_ids[position],
-                        top_scores[position],
-                        top_probabilities[position],
-                        strict=True,
-                    )
-                ]
-                if table
-                else []
-            )
-            results.append(
-                ImageResult(
-                    index=sample.index,
-                    path=_path(items, sample.index),
-                    frame=_frame(items, sample.index),
-                    status="ok",
-                    image=_image(sample.original),
-                    frames=_frames(sample.original),
-                    size=sample.size,
-                    heatmaps=heatmaps[rows.start : rows.stop].clone(),
-                    explained=explained,
-                    top=top,
-                    seconds=sample.seconds + share,
-                    method=explanation.method,
-                    layers=list(explanation.layers),
-                )
-            )
-        return results
-
-    def _name(self, class_id: int) -> str:
-        return class_name(self.categories, class_id)
+    def _logits(self, explanation: Any, count: int) -> torch.Tensor:
+        """The class scores of an explanation's ``count`` samples; ``(N, 0)`` for a detector,
+        whose output is a list of detections per image, not a score tensor."""
+        if self.task == "detection":
+            return torch.zeros(count, 0)
+        return as_logits(explanation.output, self.options.get("output_key")).detach().float()
 
 
-_NOT_FINITE = (
-    "the model's output or the map is not finite (NaN or Inf) for this input; check the "
-    "weights (`camviz inspect` names the first layer that makes a NaN)"
-)
+def belongs_to_input(error: BaseException) -> bool:
+    """Whether ``error`` belongs to the inputs being explained, so that it becomes their
+    rows: a :class:`~camviz.core.errors.CamvizError` (the model failed on them,
+    :class:`~camviz.core.errors.ModelError`; a NaN; a map that cannot be made) or an
+    out-of-memory error. Anything else is a bug of camviz."""
+    return isinstance(error, CamvizError) or is_out_of_memory(error)
 
 
-def _finite_per_sample(
-    logits: torch.Tensor, scores: torch.Tensor, heatmaps: torch.Tensor, count: int
-) -> list[bool]:
-    """Whether each sample's output, explained scores and maps are all finite numbers."""
-    finite = torch.ones(count, dtype=torch.bool)
-    for values in (logits, scores, heatmaps):
-        if values.dim() > 0 and values.shape[0] % count == 0:
-            per_sample = values.detach().cpu().reshape(count, -1)
-            finite &= torch.isfinite(per_sample).all(dim=1)
-    return finite.tolist()
+def _about_the_arguments(error: BaseException) -> bool:
+    """Whether ``error`` is a mistake in what was asked rather than about the input."""
+    return isinstance(error, CamvizError) and not isinstance(error, (ModelError, NonFiniteError))
 
 
-def _image(original: torch.Tensor | None) -> Image.Image | None:
-    """The photo of an image sample (``None`` for a clip or without originals)."""
-    return None if original is None or original.dim() != 3 else Image.fromarray(original.numpy())
-
-
-def _frames(original: torch.Tensor | None) -> torch.Tensor | None:
-    """The ``(T, H, W, 3)`` frames of a clip sample (``None`` for an image)."""
-    return original if original is not None and original.dim() == 4 else None
-
-
-def _nothing(
-    sample: _Sample, reason: str | None, items: list[Item] | None, share: float
-) -> ImageResult:
-    """The result of an input that had nothing to explain: ``"ok"``, saying why."""
-    return ImageResult(
-        index=sample.index,
-        path=_path(items, sample.index),
-        frame=_frame(items, sample.index),
-        status="ok",
-        reason=reason,
-        image=_image(sample.original),
-        frames=_frames(sample.original),
-        size=sample.size,
-        heatmaps=torch.zeros(0),
-        seconds=sample.seconds + share,
+def _reason(error: BaseException) -> str:
+    """The reason a failed input's row gives for ``error`` (see :func:`belongs_to_input`)."""
+    if isinstance(error, CamvizError):
+        return str(error)
+    return (
+        f"memory ran out on this input ({first_line(error)}); use a smaller batch size, input "
+        "size or memory budget"
     )
-
-
-def _failed(sample: _Sample, reason: str, items: list[Item] | None) -> ImageResult:
-    return ImageResult(
-        index=sample.index,
-        path=_path(items, sample.index),
-        frame=_frame(items, sample.index),
-        status="error",
-        reason=reason,
-        seconds=sample.seconds,
-    )
-
-
-def _path(items: list[Item] | None, index: int) -> str | None:
-    return None if items is None else items[index].path
-
-
-def _frame(items: list[Item] | None, index: int) -> int | None:
-    return None if items is None else items[index].frame

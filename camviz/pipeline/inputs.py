@@ -19,20 +19,25 @@ link to one, which would block the run when opened) are not errors here: they be
 with a :attr:`Item.reason`, which the run reports and skips like an unreadable image.
 
 Files that camviz itself wrote are never inputs: the caller passes them as ``exclude``
-(the files an output folder's manifests list), and a file in the output folder named exactly
-like the output of another input (left by a run killed before its row was written) is
-left out too. The user's own files in that folder stay inputs.
+(the files an output folder's manifests list, and those an interrupted run wrote before
+their rows, see :mod:`camviz.pipeline.encoders`). The user's own files stay inputs, also
+those named like an output (``cat_overlay.png`` beside ``cat.png``), and no output is ever
+written over them: the caller passes the names whose outputs would land on them as
+``taken``, and those inputs get other names.
 
 Every item has a *key* (its path, plus ``#frame`` for a video frame) that identifies it
 across runs, so a resumed run knows what is done; and a *name*, unique in the run, from
-which its output files are named. A folder's files keep their sub-folders in the name
-(``cat/001``, ``dog/001``), so same-named files in different class folders do not collide.
-Names never collide, whatever the inputs are called: two names that differ only in case
-(one file on macOS and Windows), or an image whose name a video's frames would also take
-(``clip_frames/000000.png`` beside ``clip.mp4``), get a short hash of their path added
-(``x-3f2a9c1b``). A name part too long for the file system once the output suffixes are
-added (most allow 255 bytes) is cut and gets a hash of its full text. Both hashes depend
-only on the path, so a resumed run gives every input the same name again.
+which its output files are named (:mod:`camviz.pipeline.naming`). A folder's files keep
+their sub-folders in the name (``cat/001``, ``dog/001``), so same-named files in different
+class folders do not collide. Names never collide, whatever the inputs are called: two names
+that differ only in case (one file on macOS and Windows), an image whose name a video's
+frames would also take (``clip_frames/000000.png`` beside ``clip.mp4``), a name that a rank
+suffix makes from another (``b_rank1.png`` beside ``b.png``: the one map of the first and the
+first of several maps of the second), and a name in ``taken`` get a short hash of their path
+added (``x-3f2a9c1b``). A name part too long for the file system once the output suffixes are
+added (most allow 255 bytes) is cut and gets a hash of its full text. Bytes of a file name
+that are not UTF-8 become U+FFFD in the name, so that every output name is text. The hashes
+depend only on the path, so a resumed run gives every input the same name again.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from pathlib import Path
 from PIL import Image
 
 from camviz.core.errors import CamvizError
+from camviz.pipeline.naming import rank_clash
 
 #: File extensions taken as videos; everything else is read as an image.
 VIDEO_SUFFIXES = frozenset({".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg"})
@@ -67,12 +73,6 @@ NAME_MAX = 255
 # suffix ("_rank99_heatmap.npz"), a video's "_frames", atomic_write's temporary wrapper
 # (".NAME.<12 hex>.tmp.mp4") and a collision hash ("-3f2a9c1b").
 _NAME_RESERVE = 64
-
-# How the job names its outputs: NAME_overlay.png, NAME_rank2_panel.png, NAME_heatmap.npz.
-_OUTPUT_FILE = re.compile(r"(.+?)(_rank\d+)?_(?:overlay|panel|heatmap)\.(?:png|jpg|npz|mp4)")
-
-# How a video's frames are named: NAME_frames/000012.
-_FRAME_NAME = re.compile(r"(.+)_frames/\d{6}")
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def expand(
     *,
     every: int = 1,
     exclude: Collection[str | os.PathLike[str]] = (),
-    output_folder: str | os.PathLike[str] | None = None,
+    taken: Collection[str] = (),
     max_name_bytes: int = NAME_MAX,
     clips: tuple[int, int] | None = None,
 ) -> list[Item]:
@@ -133,10 +133,10 @@ def expand(
     Args:
         inputs: One input or several (see the module docstring).
         every: Take every ``every``-th frame of a video (0, every, 2 * every, ...).
-        exclude: Files that are never inputs (those a previous run wrote, as its manifests
-            list them), wherever they are found.
-        output_folder: Where the outputs go: a file there named like the output of another
-            input is not an input.
+        exclude: Files that are never inputs (those a previous run wrote), wherever they
+            are found.
+        taken: Case-folded names whose outputs would land on files that are not camviz's;
+            inputs of those names get other names.
         max_name_bytes: The file system's longest file name; longer names are shortened.
         clips: ``(clip_len, stride)``: a video gives clips of ``clip_len`` frames, one
             starting every ``stride`` frames (``every`` is then unused), for a video model.
@@ -155,12 +155,7 @@ def expand(
             if not written or os.path.realpath(file.path) not in written:
                 found.setdefault(os.path.normpath(file.path), file)
     files = list(found.values())
-    names = _unique_names(files, max_name_bytes)
-    if output_folder is not None and os.path.isdir(output_folder):  # else nothing is in it
-        kept = _not_outputs(files, names, output_folder)
-        if len(kept) < len(files):
-            files = kept
-            names = _unique_names(files, max_name_bytes)
+    names = _unique_names(files, max_name_bytes, {name.casefold() for name in taken})
     items = []
     for file, name in zip(files, names, strict=True):
         if file.frames is None:
@@ -199,28 +194,6 @@ def _clips(file: _File, name: str, clip_len: int, stride: int) -> list[Item]:
         )
         for start in starts
     ]
-
-
-def _not_outputs(
-    files: list[_File], names: list[str], output_folder: str | os.PathLike[str]
-) -> list[_File]:
-    """``files`` without those in ``output_folder`` named like another file's output."""
-    folder = os.path.realpath(output_folder)
-    images = {name for file, name in zip(files, names, strict=True) if file.frames is None}
-    videos = {name for file, name in zip(files, names, strict=True) if file.frames is not None}
-
-    def is_output(file: _File) -> bool:
-        relative = os.path.relpath(os.path.realpath(file.path), folder)
-        if relative.startswith(os.pardir):
-            return False
-        match = _OUTPUT_FILE.fullmatch(Path(relative).as_posix())
-        if match is None:
-            return False
-        stems = {match.group(1), match.group(1) + (match.group(2) or "")}
-        frames = [_FRAME_NAME.fullmatch(stem) for stem in stems]
-        return bool(stems & images) or any(frame and frame.group(1) in videos for frame in frames)
-
-    return [file for file in files if not is_output(file)]
 
 
 def _expand_one(source: str, every: int, lists: bool) -> Iterator[_File]:
@@ -337,15 +310,18 @@ def _image_suffixes() -> frozenset[str]:
     )
 
 
-def _unique_names(files: Sequence[_File], max_name_bytes: int) -> list[str]:
-    """Each file's stem, fitted to the file system, with a hash of its path where names clash.
+def _unique_names(
+    files: Sequence[_File], max_name_bytes: int, taken: Collection[str] = ()
+) -> list[str]:
+    """Each file's stem, fitted to the file system, with a hash of its path where names clash
+    (or are ``taken``).
 
     The hash, unlike a counter, does not depend on the order of the inputs or on which
     other files are in the run, so a resumed run with more inputs never gives a new file
     the name (and so the output files) of one already done. A name that clashes even with
     its hash (someone named a file like another's hashed name) gets a longer hash.
     """
-    stems = [_fitted(file.stem, max_name_bytes) for file in files]
+    stems = [_fitted(_text(file.stem), max_name_bytes) for file in files]
     videos = [file.frames is not None for file in files]
     digits = [0] * len(files)
     for _ in range(4):
@@ -353,7 +329,7 @@ def _unique_names(files: Sequence[_File], max_name_bytes: int) -> list[str]:
             stem if count == 0 else f"{stem}-{_path_hash(file.path)[:count]}"
             for stem, file, count in zip(stems, files, digits, strict=True)
         ]
-        clashing = _clashing(names, videos)
+        clashing = _clashing(names, videos, taken)
         if not clashing:
             return names
         for index in clashing:
@@ -361,12 +337,15 @@ def _unique_names(files: Sequence[_File], max_name_bytes: int) -> list[str]:
     raise CamvizError("cannot give the inputs distinct output names; rename the inputs")
 
 
-def _clashing(names: Sequence[str], videos: Sequence[bool]) -> set[int]:
-    """Positions of names whose outputs would land on another's (case ignored)."""
+def _clashing(names: Sequence[str], videos: Sequence[bool], taken: Collection[str]) -> set[int]:
+    """Positions of names whose outputs would land on another's or on a ``taken`` name's
+    (case ignored)."""
     keys = [name.casefold() for name in names]
     counts = Counter(zip(keys, videos, strict=True))
     frame_folders = {key + "_frames/": index for index, key in enumerate(keys) if videos[index]}
     clashing = {index for index, key in enumerate(keys) if counts[key, videos[index]] > 1}
+    every = set(keys)
+    clashing |= {index for index, key in enumerate(keys) if key in taken or rank_clash(key, every)}
     for index, key in enumerate(keys):
         if videos[index] or "_frames/" not in key:
             continue
@@ -375,6 +354,11 @@ def _clashing(names: Sequence[str], videos: Sequence[bool]) -> set[int]:
             if video is not None:
                 clashing |= {index, video}
     return clashing
+
+
+def _text(stem: str) -> str:
+    """``stem`` with each byte that is not UTF-8 (a surrogate escape) replaced by U+FFFD."""
+    return stem.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _fitted(stem: str, max_name_bytes: int) -> str:

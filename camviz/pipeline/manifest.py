@@ -1,16 +1,33 @@
-"""The row log of a folder job: ``manifest.jsonl``, its per-process parts, and resuming.
+"""The manifests of a folder job: the row log ``manifest.jsonl``, its per-process parts, the
+summary ``manifest.json``, and what a resumed run reads back from them.
 
 Each explained (or skipped) input gets one JSON row, appended as soon as its files are
 written, so an interrupted run leaves a log of exactly what is finished. A process of a
 distributed run appends to its own part, ``manifest.rank<R>.jsonl``; a run alone appends to
 ``manifest.jsonl`` directly. At the end the main process merges everything into
-``manifest.jsonl`` (one row per input, in input order) and removes the parts.
+``manifest.jsonl`` (one row per input, in input order), removes the parts and writes the
+complete summary (:func:`summary`). The row log is opened without following a symbolic
+link (``O_NOFOLLOW``), and every row checks that the log is still where it was opened: a
+log whose folder was removed or moved during the run stops it with one line.
 
-On restart every row is read back, from ``manifest.jsonl`` and from any parts an
-interrupted run left. An input counts as done when its latest row says ``"ok"`` and every
-file it lists exists; anything else is done again. A row cut short by a crash is the last
-line of its file and is ignored; a row that could not be written whole (a full disk) is cut
-off again, so the log never holds half a line that a later row would follow.
+**Whose files these are.** ``manifest.json`` is written before the first row, with the
+run's settings, so a row log is camviz's only beside camviz's ``manifest.json``
+(:func:`check_folder`): a ``manifest.jsonl`` or ``manifest.json`` that camviz did not write
+(a dataset index by that name, a link) is refused and left as it is.
+
+**Resuming.** Every row is read back, from ``manifest.jsonl`` and from any parts an
+interrupted run left. An input counts as done when its latest row says ``"ok"`` (with the
+explained maps and their files) and every file it lists exists; anything else is done
+again. A line that is not a camviz row (cut short by a crash, or edited by hand: not an
+object, ``input`` not a string, ``files`` not a list of names inside the folder) is skipped
+and counted (:attr:`Rows.skipped`), so a row that names ``../../etc/passwd`` is never
+"done" and its files are never taken for camviz's. A row that could not be written whole (a
+full disk) is cut off again, so the log never holds half a line that a later row would
+follow.
+
+**Names that are not UTF-8.** A row's ``input`` is the path as text, each byte that is not
+UTF-8 replaced by U+FFFD; only then the row also holds ``input_bytes``, the path's bytes
+(``os.fsencode``) in standard base64, and a resumed run knows the input by those.
 
 Every row is strict JSON: a float that is not finite is written as ``null``, never as the
 ``NaN`` that Python's ``json`` would write and other readers refuse.
@@ -18,14 +35,19 @@ Every row is strict JSON: a float that is not finite is written as ``null``, nev
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import os
+import stat
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from camviz.core.errors import CamvizError
 from camviz.io.atomic import atomic_write, is_temporary
 from camviz.pipeline.inputs import item_key
 
@@ -56,9 +78,26 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def input_fields(path: str) -> dict[str, str]:
+    """How a manifest names the input ``path``: ``input`` as text and, for a path that is
+    not UTF-8, ``input_bytes`` (see the module docstring)."""
+    raw = os.fsencode(path)
+    text = raw.decode("utf-8", "replace")
+    if text.encode("utf-8") == raw:
+        return {"input": text}
+    return {"input": text, "input_bytes": base64.b64encode(raw).decode("ascii")}
+
+
+def row_path(row: Row) -> str:
+    """The path of the input a row describes, as this process names it."""
+    if "input_bytes" in row:
+        return os.fsdecode(base64.b64decode(row["input_bytes"], validate=True))
+    return str(row["input"])
+
+
 def row_key(row: Row) -> str:
     """The key of the input a row describes (see :func:`camviz.pipeline.inputs.item_key`)."""
-    return item_key(row["input"], row.get("frame"))
+    return item_key(row_path(row), row.get("frame"))
 
 
 def log_path(out: Path, rank: int, world_size: int) -> Path:
@@ -70,13 +109,29 @@ class RowLog:
     """Appends rows to a JSON-lines file, one whole line per write, from any thread.
 
     Args:
-        path: The file; created if missing, appended to if not.
+        path: The file; created if missing, appended to if not; never a symbolic link.
+
+    Raises:
+        CamvizError: ``path`` is a symbolic link or not a regular file, or (when appending)
+            it was removed or moved since it was opened.
     """
 
     def __init__(self, path: Path) -> None:
+        self.path = path
         self._lock = threading.Lock()
-        self._descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-        if os.fstat(self._descriptor).st_size > 0 and not _ends_with_newline(path):
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+        try:
+            self._descriptor = os.open(path, flags, 0o666)
+        except OSError as error:
+            if not path.is_symlink():
+                raise
+            raise CamvizError(_not_a_file(path)) from error
+        status = os.fstat(self._descriptor)
+        self._identity = (status.st_dev, status.st_ino)
+        if not stat.S_ISREG(status.st_mode):
+            os.close(self._descriptor)
+            raise CamvizError(_not_a_file(path))
+        if status.st_size > 0 and os.pread(self._descriptor, 1, status.st_size - 1) != b"\n":
             # A crash cut the last row short: end that line, so the next row stands alone.
             self._write(b"\n")
 
@@ -84,6 +139,7 @@ class RowLog:
         """Write ``row`` as one line, straight to the operating system."""
         line = (dumps(row) + "\n").encode("utf-8")
         with self._lock:
+            self._check_in_place()
             self._write(line)
 
     def _write(self, data: bytes) -> None:
@@ -96,69 +152,178 @@ class RowLog:
             os.ftruncate(self._descriptor, size)  # no half line left behind
             raise
 
-    def close(self) -> None:
-        """Close the file."""
-        os.close(self._descriptor)
+    def _check_in_place(self) -> None:
+        """Raise if the file is no longer where it was opened (its folder removed or moved:
+        rows appended to it would be lost)."""
+        try:
+            status = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            status = None
+        if status is None or (status.st_dev, status.st_ino) != self._identity:
+            raise CamvizError(
+                f"the output folder {str(self.path.parent)!r} was removed or moved during the "
+                "run, so its rows are lost; run the same command again to start over"
+            )
+
+    def close(self, check: bool = True) -> None:
+        """Close the file, after checking that it is still in place (see :meth:`append`);
+        ``check=False`` when the run already failed, so that its own error is the one told."""
+        try:
+            if check:
+                self._check_in_place()
+        finally:
+            os.close(self._descriptor)
 
 
-def _ends_with_newline(path: Path) -> bool:
-    with open(path, "rb") as file:
-        file.seek(-1, os.SEEK_END)
-        return file.read(1) == b"\n"
+def _not_a_file(path: Path) -> str:
+    return (
+        f"{str(path)!r} is a link or not a regular file; camviz writes its manifests only as "
+        "files of the output folder: remove it, or pass another --out"
+    )
 
 
-def read_rows(out: Path) -> dict[str, Row]:
-    """Every row in ``out``'s log and parts, the latest one for each input.
+@dataclass
+class Rows:
+    """The rows of an output folder, the latest one for each input.
 
-    Rows that are not valid JSON (a line cut short by a crash) are left out.
+    Attributes:
+        latest: Rows by input key (:func:`row_key`), in the order first seen.
+        skipped: Lines that are not camviz rows (see the module docstring).
     """
-    rows: dict[str, Row] = {}
-    for path in [out / ROWS, *sorted(out.glob(_PARTS))]:
-        for row in _rows_in(path):
-            rows[row_key(row)] = row
+
+    latest: dict[str, Row]
+    skipped: int = 0
+
+
+def read_rows(out: Path) -> Rows:
+    """Every row in ``out``'s log and parts, the latest one for each input."""
+    rows = Rows({})
+    for path in _logs(out):
+        for line in _lines(path):
+            row = _parsed(line)
+            if is_row(row):
+                rows.latest[row_key(row)] = row
+            else:
+                rows.skipped += 1
     return rows
 
 
-def _rows_in(path: Path) -> Iterator[Row]:
+def _logs(out: Path) -> list[Path]:
+    """The row log and the per-process parts in ``out`` that exist (links included)."""
+    paths = [out / ROWS, *sorted(out.glob(_PARTS))] if out.is_dir() else []
+    return [path for path in paths if path.exists() or path.is_symlink()]
+
+
+def _parsed(line: str) -> Any:
+    """The JSON value of one line; ``None`` for a line that is not JSON (cut short)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
+def _holds_no_row(paths: Sequence[Path]) -> bool:
+    """Whether the logs hold JSON objects and not one camviz row (read up to the first row,
+    not through a million of them)."""
+    objects = False
+    for path in paths:
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as file:
+            for line in file:
+                row = _parsed(line.decode("utf-8", "replace"))
+                if is_row(row):
+                    return False
+                objects = objects or isinstance(row, dict)
+    return objects
+
+
+def _lines(path: Path) -> list[str]:
+    """The lines of a row log (none if it is missing); never through a link, never from a
+    special file (a FIFO would block)."""
+    try:
+        mode = os.lstat(path).st_mode
     except FileNotFoundError:
-        return
-    for line in text.splitlines():
+        return []
+    if not stat.S_ISREG(mode):
+        raise CamvizError(_not_a_file(path))
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as file:
+        return file.read().decode("utf-8", "replace").splitlines()
+
+
+def is_row(row: Any) -> bool:
+    """Whether ``row`` is shaped as a camviz row: an object with ``input`` a string,
+    ``files`` a list of names inside the output folder, ``frame`` (if any) a whole number or
+    null and ``input_bytes`` (if any) base64."""
+    if not isinstance(row, dict) or not isinstance(row.get("input"), str):
+        return False
+    frame = row.get("frame")
+    if not (frame is None or (isinstance(frame, int) and not isinstance(frame, bool))):
+        return False
+    if not _inside(row.get("files")):
+        return False
+    if "input_bytes" in row:
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and "input" in row:
-            yield row
+            base64.b64decode(row["input_bytes"], validate=True)
+        except (TypeError, ValueError, binascii.Error):
+            return False
+    return True
 
 
-def finished(out: Path, rows: dict[str, Row]) -> set[str]:
+def _explained_ok(row: Row) -> bool:
+    """Whether ``row`` says its input was explained, with every field a later run reads:
+    ``status`` ``ok`` and ``explained`` a list of objects whose ``files`` are names inside
+    the output folder."""
+    explained = row.get("explained")
+    return (
+        row.get("status") == "ok"
+        and isinstance(explained, list)
+        and all(
+            isinstance(entry, dict)
+            and isinstance(entry.get("files"), dict)
+            and _inside(list(entry["files"].values()))
+            for entry in explained
+        )
+    )
+
+
+def _inside(names: Any) -> bool:
+    """Whether ``names`` is a list of relative paths that stay inside the output folder."""
+    return isinstance(names, list) and all(
+        isinstance(name, str)
+        and name
+        and not os.path.isabs(name)
+        and "\x00" not in name
+        and not os.path.normpath(name).startswith(os.pardir)
+        for name in names
+    )
+
+
+def finished(out: Path, rows: Rows) -> set[str]:
     """The keys of rows that say ``"ok"`` and whose files all exist in ``out``."""
     return {
         key
-        for key, row in rows.items()
-        if row.get("status") == "ok" and all((out / name).is_file() for name in row["files"])
+        for key, row in rows.latest.items()
+        if _explained_ok(row) and all((out / name).is_file() for name in row["files"])
     }
 
 
-def merge(out: Path, keys: Sequence[str]) -> tuple[list[Row], list[Row]]:
+def merge(out: Path, keys: Sequence[str]) -> tuple[list[Row], list[Row], int]:
     """Write ``manifest.jsonl`` with the latest row of each of ``keys``, in that order.
 
     The file is replaced atomically, then the per-process parts are removed; a crash
     in between leaves parts whose rows the merged file already holds, which is harmless.
 
     Returns:
-        The rows written, and the rows of inputs not in ``keys`` (an earlier run's), which
-        the merged file no longer holds.
+        The rows written, the rows of inputs not in ``keys`` (an earlier run's), which the
+        merged file no longer holds, and the count of lines skipped (not camviz rows).
     """
-    latest = read_rows(out)
-    rows = [latest.pop(key) for key in keys if key in latest]
+    rows = read_rows(out)
+    latest = rows.latest
+    merged = [latest.pop(key) for key in keys if key in latest]
     with atomic_write(out / ROWS, "w") as file:
-        file.writelines(dumps(row) + "\n" for row in rows)
+        file.writelines(dumps(row) + "\n" for row in merged)
     for part in out.glob(_PARTS):
         part.unlink()
-    return rows, list(latest.values())
+    return merged, list(latest.values()), rows.skipped
 
 
 def written_files(out: Path) -> set[Path]:
@@ -166,15 +331,13 @@ def written_files(out: Path) -> set[Path]:
 
     These are never inputs: explaining them would explain camviz's own overlays.
     """
-    names = [name for row in read_rows(out).values() for name in row.get("files") or []]
-    try:
-        summary = json.loads((out / SUMMARY).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        summary = {}
-    if isinstance(summary, dict):
-        videos = summary.get("videos") or []
+    names = [name for row in read_rows(out).latest.values() for name in row["files"]]
+    summary = read_summary(out) or {}
+    videos = summary.get("videos")
+    if isinstance(videos, list):
         names += [video.get("file") for video in videos if isinstance(video, dict)]
-        names += summary.get("other_files") or []
+    others = summary.get("other_files")
+    names += others if isinstance(others, list) else []
     return {out / name for name in names if isinstance(name, str)}
 
 
@@ -194,3 +357,137 @@ def remove_temporaries(out: Path) -> list[Path]:
                 path.unlink(missing_ok=True)
                 removed.append(path)
     return removed
+
+
+# --- The summary, manifest.json ------------------------------------------------------------
+
+
+def read_summary(out: Path) -> dict[str, Any] | None:
+    """``out``'s ``manifest.json``: ``None`` if there is none, ``{}`` if it is no JSON object.
+
+    Raises:
+        CamvizError: It is a link or not a regular file.
+    """
+    path = out / SUMMARY
+    if not (path.exists() or path.is_symlink()):
+        return None
+    try:
+        content = json.loads("\n".join(_lines(path)))
+    except json.JSONDecodeError:
+        return {}
+    return content if isinstance(content, dict) else {}
+
+
+def write_summary(out: Path, content: dict[str, Any]) -> None:
+    """Write ``manifest.json``, atomically (a link there is replaced, never followed)."""
+    with atomic_write(out / SUMMARY, "w") as file:
+        file.write(dumps(content, indent=2) + "\n")
+
+
+def folder_used(out: Path) -> bool:
+    """Whether camviz has run in ``out``: its ``manifest.json`` holds camviz's settings."""
+    return isinstance((read_summary(out) or {}).get("settings"), dict)
+
+
+def check_folder(out: Path) -> None:
+    """Refuse an output folder whose manifests camviz did not write, before any work.
+
+    Raises:
+        CamvizError: A manifest is a link or a special file, or a row log lies there without
+            camviz's ``manifest.json`` (or holds no camviz row at all).
+    """
+    logs = _logs(out)
+    for path in [*logs, out / SUMMARY]:
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise CamvizError(_not_a_file(path))
+    if logs and (not folder_used(out) or _holds_no_row(logs)):
+        raise CamvizError(
+            f"{str(logs[0])!r} was not written by camviz (it is no camviz row log beside "
+            f"camviz's {SUMMARY}); move it away or pass another --out, camviz leaves it as it is"
+        )
+
+
+def check_settings(out: Path, settings: dict[str, Any]) -> None:
+    """Refuse to resume into a folder whose results were made with other settings."""
+    previous = read_summary(out)
+    if previous is None:
+        return
+    stored = previous.get("settings")
+    if stored == settings:
+        return
+    differences = (
+        [
+            f"{key} {stored.get(key)!r} there, {value!r} now"
+            for key, value in settings.items()
+            if stored.get(key) != value
+        ]
+        if isinstance(stored, dict)
+        else ["it has no camviz settings"]
+    )
+    raise CamvizError(
+        f"{out} holds the results of another run ({'; '.join(differences)}); pass another "
+        "--out, or delete that folder to start again"
+    )
+
+
+def summary(
+    out: Path,
+    settings: dict[str, Any],
+    rows: list[Row],
+    earlier: list[str],
+    videos: list[dict[str, Any]],
+    already_done: int,
+    skipped: int,
+) -> dict[str, Any]:
+    """The complete ``manifest.json`` of a run (see :mod:`camviz.pipeline.job`).
+
+    Args:
+        out: The output folder.
+        settings: The run's settings.
+        rows: The rows of this run's inputs, in input order.
+        earlier: Files earlier runs wrote for other inputs; those still there are listed.
+        videos: The overlay videos written.
+        already_done: Inputs a previous run had finished.
+        skipped: Lines of the row log that were not camviz rows.
+    """
+    explained = [row for row in rows if row["status"] == "ok"]
+    current = {name for row in explained for name in row["files"]}
+    current.update(video["file"] for video in videos)
+    return {
+        "model": settings["model"],
+        "method": settings["method"],
+        "layers": explained[0]["layers"] if explained else None,
+        "target": settings["target"],
+        "complete": True,
+        "counts": {
+            "ok": len(explained),
+            "error": len(rows) - len(explained),
+            "already_done": already_done,
+            "empty_maps": sum(
+                bool(entry.get("empty")) for row in explained for entry in row["explained"]
+            ),
+        },
+        "skipped_rows": skipped,
+        "settings": settings,
+        "rows": ROWS,
+        "failures": [row for row in rows if row["status"] != "ok"],
+        "videos": videos,
+        "other_files": sorted(
+            {
+                name
+                for name in earlier
+                if isinstance(name, str) and name not in current and (out / name).is_file()
+            }
+        ),
+    }
+
+
+def earlier_files(previous: dict[str, Any], others: list[Row]) -> list[str]:
+    """The files that earlier runs wrote for inputs other than this run's: the rows of
+    those inputs, and the videos and other files of the previous summary."""
+    earlier = [name for row in others for name in row["files"]]
+    videos = previous.get("videos")
+    if isinstance(videos, list):
+        earlier += [video.get("file") for video in videos if isinstance(video, dict)]
+    listed = previous.get("other_files")
+    return earlier + (listed if isinstance(listed, list) else [])

@@ -123,13 +123,18 @@ def scan_units(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise CamvizError(f"--out {str(out)!r} is a file; give a folder")
+    manifest.check_folder(out)
     items = expand(inputs, exclude=manifest.written_files(out), output_folder=out)
     if not items:
         raise CamvizError("no image found in the inputs (files camviz wrote are never inputs)")
     picked = parse_channels(channels) if isinstance(channels, str) else channels
     job = UnitJob(layer, tuple(picked or _all_channels(loaded, items, layer)), k, statistic)
+    settings = job.settings(loaded)
     with distributed.session() as context, lock.locked(out, context):
-        _check_settings(out, job.settings(loaded))
+        manifest.check_settings(out, settings)
+        if context.is_main and manifest.read_summary(out) is None:  # before the first row
+            manifest.write_summary(out, {"settings": settings, "complete": False})
+        distributed.barrier(context)
         heaps = _scan(out, items, loaded, job, context, batch_size, workers, progress)
         distributed.barrier(context)
         if context.is_main:
@@ -156,21 +161,6 @@ def _all_channels(loaded: LoadedModel, items: Sequence[Item], layer: str) -> ran
             tensors, _ = outputs_at(loaded.model, inputs, [layer])
         return range(spatial_view(loaded.model, layer, tensors[layer], inputs.shape[2:]).shape[1])
     raise CamvizError("none of the inputs can be read as an image")
-
-
-def _check_settings(out: Path, settings: dict[str, Any]) -> None:
-    path = out / RESULTS
-    if not path.is_file():
-        return
-    try:
-        previous = json.loads(path.read_text(encoding="utf-8")).get("settings")
-    except (OSError, ValueError):
-        return
-    if previous != settings:
-        raise CamvizError(
-            f"{str(out)!r} holds a units scan with other settings; give another --out, or "
-            "the same model, layer, channels, k and statistic to resume it"
-        )
 
 
 def _scan(
@@ -217,9 +207,17 @@ def _scan(
 
 
 def _row(item: Item, reason: str | None, seconds: float) -> dict[str, Any]:
+    """An input's row: ``ok`` (scanned: nothing explained, no file of its own) or why not."""
+    fields = manifest.input_fields(item.path)
     if reason is None:
-        return {"input": item.path, "status": "ok", "files": [], "seconds": round(seconds, 4)}
-    return {"input": item.path, "status": "error", "reason": reason, "files": []}
+        return {
+            **fields,
+            "status": "ok",
+            "explained": [],
+            "files": [],
+            "seconds": round(seconds, 4),
+        }
+    return {**fields, "status": "error", "reason": reason, "files": []}
 
 
 def _checkpoint(
@@ -352,7 +350,7 @@ def _read(example: Example) -> Image.Image:
 
 def _finish(out: Path, items: Sequence[Item], results: dict[str, Any]) -> None:
     """The index page, the merged rows and the summary."""
-    rows, _ = manifest.merge(out, [item.key for item in items])
+    rows, _, skipped = manifest.merge(out, [item.key for item in items])
     images = [entry["image"] for entry in results["channels"]]
     with atomic_write(out / INDEX, "w") as file:
         file.write(_index_html(results))
@@ -363,12 +361,14 @@ def _finish(out: Path, items: Sequence[Item], results: dict[str, Any]) -> None:
     }
     summary = {
         "settings": results["settings"],
+        "complete": True,
         "counts": counts,
+        "skipped_rows": skipped,
+        "rows": manifest.ROWS,
         "failures": [row for row in rows if row.get("status") == "error"],
         "other_files": [RESULTS, INDEX, *images],
     }
-    with atomic_write(out / manifest.SUMMARY, "w") as file:
-        file.write(manifest.dumps(summary, indent=1))
+    manifest.write_summary(out, summary)
 
 
 def _index_html(results: dict[str, Any]) -> str:

@@ -1,0 +1,121 @@
+"""The files of a folder job: pictures and maps encoded atomically, each marked as camviz's.
+
+Every picture and map the job writes carries :data:`MARK` (a PNG ``Software`` text chunk, a
+JPEG comment, the comment of an ``.npz`` archive), invisible to image viewers and
+``np.load``. A file named like an output that no manifest row lists is then told apart
+without guessing: with the mark it is what an interrupted run wrote before its row (camviz
+writes it again), without it the user's own file (camviz never replaces it, see
+:func:`existing_outputs`). Videos carry no mark; one named like an output counts as camviz's
+in a folder that camviz's manifest says it uses.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from collections.abc import Collection
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, PngImagePlugin
+
+from camviz.io.atomic import atomic_write
+from camviz.io.images import PathLike
+from camviz.pipeline.naming import VIDEO_SUFFIX, output_owners
+
+#: What marks a file as written by a camviz folder job.
+MARK = "camviz explain"
+
+# zlib level for overlays: level 1 encodes about 4x faster than Pillow's default 6, for
+# files about 10% larger - at batch speed, encoding would otherwise cost more than the CAM.
+_PNG_LEVEL = 1
+
+# JPEG quality of panels: at 90 the picture is indistinguishable from the PNG's.
+_PANEL_QUALITY = 90
+
+
+def _png_info() -> PngImagePlugin.PngInfo:
+    info = PngImagePlugin.PngInfo()
+    info.add_text("Software", MARK)
+    return info
+
+
+def save_png(image: Image.Image, path: Path) -> None:
+    """Write an overlay as a PNG, atomically and marked."""
+    with atomic_write(path) as file:
+        image.save(file, format="PNG", compress_level=_PNG_LEVEL, pnginfo=_png_info())
+
+
+def save_jpeg(image: Image.Image, path: Path) -> None:
+    """Write a panel as a JPEG, atomically and marked."""
+    with atomic_write(path) as file:
+        image.save(file, format="JPEG", quality=_PANEL_QUALITY, comment=MARK)
+
+
+def save_heatmap(heatmap: torch.Tensor, path: PathLike) -> Path:
+    """Write a ``(H, W)`` map in ``[0, 1]``, atomically, as ``.npz`` or 16-bit ``.png``.
+
+    ``.npz`` keeps the float32 values under the key ``heatmap`` (``np.load(path)["heatmap"]``);
+    ``.png`` stores ``round(value * 65535)`` as 16-bit grey, 1/65535 apart from the values.
+    """
+    path = Path(path)
+    values = heatmap.detach().to("cpu", torch.float32).numpy()
+    with atomic_write(path) as file:
+        if path.suffix == ".npz":
+            # What np.savez_compressed writes, with the mark as the archive's comment.
+            with zipfile.ZipFile(file, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+                archive.comment = MARK.encode()
+                with archive.open("heatmap.npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array(member, values, allow_pickle=False)
+        else:
+            levels = np.rint(np.clip(values, 0, 1) * 65535).astype(np.uint16)
+            Image.fromarray(levels).save(file, format="PNG", pnginfo=_png_info())
+    return path
+
+
+def is_marked(path: Path) -> bool:
+    """Whether ``path`` carries :data:`MARK` (an unreadable file does not)."""
+    try:
+        if path.suffix == ".npz":
+            with zipfile.ZipFile(path) as archive:
+                return archive.comment == MARK.encode()
+        with Image.open(path) as image:
+            found = image.info.get("Software") or image.info.get("comment")
+    except (OSError, ValueError, zipfile.BadZipFile, Image.DecompressionBombError):
+        return False
+    return found in (MARK, MARK.encode())
+
+
+def existing_outputs(
+    out: Path, listed: Collection[Path], folder_used: bool
+) -> tuple[set[Path], set[str]]:
+    """The files in ``out`` named like outputs that no row lists, sorted by whose they are.
+
+    Args:
+        out: The output folder.
+        listed: The files that the folder's manifests list (camviz's, known).
+        folder_used: Whether camviz's manifest is in ``out`` (it has run there).
+
+    Returns:
+        The files camviz wrote (an interrupted run's, to be written again and never
+        explained), and the case-folded names of the inputs whose outputs would land on the
+        user's files (they are given other names, see :mod:`camviz.pipeline.inputs`).
+    """
+    if not out.is_dir():
+        return set(), set()
+    known = {os.path.normpath(path) for path in listed}
+    ours: set[Path] = set()
+    taken: set[str] = set()
+    for folder, folders, names in os.walk(out):
+        folders[:] = [name for name in folders if not name.startswith(".")]
+        for name in names:
+            path = Path(folder, name)
+            owners = output_owners(path.relative_to(out).as_posix())
+            if not owners or name.startswith(".") or os.path.normpath(path) in known:
+                continue
+            if is_marked(path) or (folder_used and path.suffix == VIDEO_SUFFIX):
+                ours.add(path)
+            else:
+                taken |= {owner.casefold() for owner in owners}
+    return ours, taken
