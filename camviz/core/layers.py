@@ -253,10 +253,10 @@ def _structural_layer(model: nn.Module, run: _DryRun, rank: int, before: str | N
     if kinds[candidates[-1]] != "tokens" or before is not None:
         return calls[candidates[-1]].name
     tokens = [index for index in candidates if kinds[index] == "tokens"]
-    before = [
+    attention_inputs = [
         max(i for i in tokens if i < start) for start in run.attention_starts if tokens[0] < start
     ]
-    return calls[before[-1] if before else tokens[-1]].name
+    return calls[attention_inputs[-1] if attention_inputs else tokens[-1]].name
 
 
 def _start_of(log: CallLog, layer: str) -> int:

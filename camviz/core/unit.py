@@ -77,7 +77,8 @@ class Unit:
             return (neuron[0],)
         if self.channel is None:
             return ()
-        channels = (self.channel,) if _is_index(self.channel) else tuple(self.channel)  # type: ignore[arg-type]
+        channel = self.channel
+        channels = (channel,) if isinstance(channel, int) else tuple(channel)
         if not channels or not all(_is_index(value) for value in channels):
             raise CamvizError(
                 f"Unit.channel must be a channel index or a list of them, not {self.channel!r}"
@@ -139,7 +140,8 @@ class Unit:
                 f"Unit.neuron {tuple(self.neuron)} does not lie on layer {self.layer!r}'s grid "
                 f"{grid}; give the channel and one index per grid axis, within it"
             )
-        return maps[(slice(None), slice(None), *index)]
+        at: tuple[slice | int, ...] = (slice(None), slice(None), *index)
+        return maps[at]
 
 
 def _is_index(value: object) -> bool:

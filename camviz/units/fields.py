@@ -242,7 +242,7 @@ def _geometry(module: nn.Module, rank: int) -> tuple[tuple[int, ...], ...]:
     kernel = per_axis(module.kernel_size)
     dilation = per_axis(getattr(module, "dilation", 1))
     if padding[0] == -1:  # "same" pads d (k - 1) / 2 on the left; "valid" pads nothing
-        same = module.padding == "same"  # type: ignore[comparison-overlap]
+        same = module.padding == "same"
         padding = tuple(
             d * (k - 1) // 2 if same else 0 for k, d in zip(kernel, dilation, strict=True)
         )
@@ -309,7 +309,8 @@ def _support(
     grid_view: torch.Tensor, pixels: torch.Tensor, location: Sequence[int], layer: str
 ) -> list[tuple[int, int]]:
     """Per axis, the first and last input pixel on which ``location`` depends."""
-    value = grid_view[(slice(None), slice(None), *location)].sum()
+    at: tuple[slice | int, ...] = (slice(None), slice(None), *location)
+    value = grid_view[at].sum()
     if not value.requires_grad:
         raise CamvizError(f"layer {layer!r} does not depend on the input")
     (gradient,) = torch.autograd.grad(value, pixels, retain_graph=True)

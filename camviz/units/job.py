@@ -124,11 +124,14 @@ def scan_units(
     if out.exists() and not out.is_dir():
         raise CamvizError(f"--out {str(out)!r} is a file; give a folder")
     manifest.check_folder(out)
-    items = expand(inputs, exclude=manifest.written_files(out), output_folder=out)
+    items = expand(inputs, exclude=manifest.written_files(out))
     if not items:
         raise CamvizError("no image found in the inputs (files camviz wrote are never inputs)")
+    count = _channel_count(loaded, items, layer)
     picked = parse_channels(channels) if isinstance(channels, str) else channels
-    job = UnitJob(layer, tuple(picked or _all_channels(loaded, items, layer)), k, statistic)
+    picked = range(count) if picked is None else picked
+    Unit(layer, channel=list(picked)).maps(torch.zeros(1, count, 1, 1))  # in range, or one line
+    job = UnitJob(layer, tuple(picked), k, statistic)
     settings = job.settings(loaded)
     with distributed.session() as context, lock.locked(out, context):
         manifest.check_settings(out, settings)
@@ -149,8 +152,8 @@ def scan_units(
     return results
 
 
-def _all_channels(loaded: LoadedModel, items: Sequence[Item], layer: str) -> range:
-    """Every channel of ``layer``, counted on the first readable input."""
+def _channel_count(loaded: LoadedModel, items: Sequence[Item], layer: str) -> int:
+    """How many channels ``layer`` has, counted on the first readable input."""
     for item in items:
         try:
             inputs = loaded.preprocess(load_image(item.path)).unsqueeze(0)
@@ -159,7 +162,7 @@ def _all_channels(loaded: LoadedModel, items: Sequence[Item], layer: str) -> ran
         inputs = inputs.to(model_device(loaded.model))
         with exclusive(loaded.model), eval_mode(loaded.model), torch.inference_mode():
             tensors, _ = outputs_at(loaded.model, inputs, [layer])
-        return range(spatial_view(loaded.model, layer, tensors[layer], inputs.shape[2:]).shape[1])
+        return spatial_view(loaded.model, layer, tensors[layer], inputs.shape[2:]).shape[1]
     raise CamvizError("none of the inputs can be read as an image")
 
 

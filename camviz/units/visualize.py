@@ -225,7 +225,8 @@ class _Objective:
 
     def _logits(self, output: object) -> torch.Tensor:
         logits = as_logits(output)
-        if logits.dim() != 2 or not 0 <= int(self.target) < logits.shape[1]:
+        assert isinstance(self.target, int)
+        if logits.dim() != 2 or not 0 <= self.target < logits.shape[1]:
             raise CamvizError(
                 f"class id {self.target} is out of range for the model's output of shape "
                 f"{tuple(logits.shape)}"
