@@ -9,12 +9,14 @@ folder. Runs that must be killed or run at the same time are forked from this pr
 from __future__ import annotations
 
 import contextlib
+import csv
 import faulthandler
 import json
 import os
 import random
 import re
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -25,10 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
+from torch import nn
 
 import camviz
 from camviz.cli import main
-from camviz.evaluation.report import image_labels, spreadsheet_safe
+from camviz.evaluation.report import image_labels
+from camviz.io.csvfiles import spreadsheet_safe
 from camviz.io.video import write_video
 from camviz.pipeline import lock
 from camviz.pipeline.distributed import Context
@@ -267,7 +271,7 @@ def test_layers_refuses_a_size_out_of_range(size, capsys):
         main(["layers", "--size", size])
     error = capsys.readouterr().err
     assert exited.value.code == 2 and "must be between 1 and 2048" in error
-    assert "Traceback" not in error
+    assert error.count("\n") == 1 and "`camviz layers --help` lists the options" in error
 
 
 @contextlib.contextmanager
@@ -622,3 +626,257 @@ def test_features_tiles_are_readable(tmp_path, tiny_mobilenet, photos, capsys):
     with Image.open(out / "features.12_grid.png") as grid:
         # 4 channels of 7 x 10 at 224 x 298: each drawn 10 times larger, 2 x 2 tiles.
         assert grid.size == (2 * 100 + 3, 2 * 70 + 3)
+
+
+# --- 11. One image read by a command, and sizes beyond any machine -----------------------------
+
+
+def forked_cli(arguments: list[str], tmp_path: Path, seconds: float = 60) -> tuple[int, str]:
+    """``main(arguments)`` in a forked child, so that a hang fails this test instead of
+    blocking the suite: its exit status and stderr."""
+    stderr = tmp_path / "stderr.txt"
+    pid = os.fork()
+    if pid == 0:  # the child
+        code = 70
+        try:
+            torch.set_num_threads(1)  # as DataLoader workers do after a fork
+            with (
+                open(os.devnull, "w") as quiet,
+                open(stderr, "w") as errors,
+                contextlib.redirect_stdout(quiet),
+                contextlib.redirect_stderr(errors),
+            ):
+                code = main(arguments)
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + seconds
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), stderr.read_text()
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"camviz {arguments[0]} still runs after {seconds} s: it hangs")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("command", ["inspect", "features", "compare", "explain --similar-to"])
+def test_a_fifo_as_a_commands_image_is_one_line_not_a_hang(
+    command, tmp_path, photos, tiny_mobilenet
+):
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    model = ["--model", MODEL, "--weights", tiny_mobilenet]
+    out = ["--out", str(tmp_path / "out")]
+    arguments = {
+        "inspect": ["inspect", str(fifo), *model, "--csv", str(tmp_path / "out" / "t.csv")],
+        "features": ["features", str(fifo), *model, "--layer", "features.0", *out],
+        "compare": ["compare", str(photos[0]), str(fifo), *model, "--methods", "gradcam", *out],
+        "explain --similar-to": [
+            "explain",
+            str(photos[0]),
+            *model,
+            "--similar-to",
+            str(fifo),
+            *out,
+        ],
+    }[command]
+    status, error = forked_cli(arguments, tmp_path)
+    assert status == 1
+    one_line_error(error, "pipe.png is not a regular file (a FIFO)")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("option", "largest", "command"),
+    [
+        ("--input-size", "4096", ["explain", "x.png"]),
+        ("--tile", "1024", ["features", "x.png", "--layer", "features.0"]),
+        ("--steps", "1000", ["compare", "x.png"]),
+        ("--workers", str(os.cpu_count()), ["explain", "x.png"]),
+    ],
+)
+def test_sizes_and_counts_beyond_what_a_machine_has_are_refused(option, largest, command, capsys):
+    from camviz.cli import build_parser
+
+    name = option.lstrip("-").replace("-", "_")
+    assert getattr(build_parser().parse_args([*command, option, largest]), name) == int(largest)
+    for beyond in (str(int(largest) + 1), "-1"):
+        with pytest.raises(SystemExit) as exited:
+            main([*command, option, beyond])
+        error = capsys.readouterr().err
+        assert exited.value.code == 2 and "Traceback" not in error
+        low = 0 if option == "--workers" else 1
+        assert f"error: argument {option}: must be between {low} and {largest}" in error
+        assert error.count("\n") == 1  # one line: no usage block before it
+
+
+def test_an_image_too_elongated_once_preprocessed_is_a_failed_row(run, photos, tmp_path):
+    # 1 x 600 pixels, a few hundred bytes: its shorter side at 224 would be 224 x 134400.
+    Image.new("RGB", (1, 600), "white").save(tmp_path / "photos" / "strip.png")
+    out = tmp_path / "out"
+    status, _, error = run(tmp_path / "photos", out=out)
+    assert status == 0
+    rows = {Path(row["input"]).name: row for row in assert_complete(out, len(photos) + 1)}
+    assert rows.pop("strip.png")["reason"] == (
+        "an image of 1x600 pixels would preprocess to 224x134400, more elongated than 16:1; "
+        "crop it to a less elongated part, or pad it"
+    )
+    assert {row["status"] for row in rows.values()} == {"ok"}
+    assert "strip.png" in error and error.count("\n") == 1
+
+
+def test_preprocess_refuses_a_tensor_too_large_or_too_elongated_before_making_it(
+    tmp_path, make_photos, tiny_mobilenet, monkeypatch
+):
+    from camviz.core.errors import CamvizError
+    from camviz.io.images import Preprocess
+    from camviz.pipeline import dataset
+
+    with pytest.raises(CamvizError, match=r"to 4096x16384 \(67\.1 megapixels\), more than the"):
+        Preprocess(size=4096)(Image.new("RGB", (1000, 4000)))
+    pixels = torch.zeros(3, 1, 600, dtype=torch.uint8)  # decoded on a GPU, say
+    with pytest.raises(CamvizError, match="would preprocess to 134400x224, more elongated"):
+        Preprocess()(pixels)
+    # The folder job's device-decoding path (JPEGs decoded by torchvision, on the CPU here)
+    # makes it a failed row too, and the good image in the same batch is explained.
+    decoded, decode = [], dataset.decode
+
+    def counted(encoded, device):
+        decoded.extend(encoded)
+        return decode(encoded, device)
+
+    monkeypatch.setattr(dataset, "device_decodes", lambda device, preprocess: True)
+    monkeypatch.setattr(dataset, "decode", counted)
+    good = make_photos(tmp_path, {"good.jpg": (32, 24)})[0]
+    Image.new("RGB", (1, 600), "white").save(tmp_path / "strip.jpg")
+    loaded = camviz.models.load(MODEL, weights=tiny_mobilenet)
+    results = list(camviz.explain_dataset(loaded, [good, tmp_path / "strip.jpg"]))
+    assert len(decoded) == 2
+    by_name = {Path(str(result.path)).name: result for result in results}
+    assert by_name["good.jpg"].ok and by_name["good.jpg"].heatmaps is not None
+    assert "more elongated than 16:1" in str(by_name["strip.jpg"].reason)
+
+
+# --- 12. Spreadsheets, terminals and warnings --------------------------------------------------
+
+
+def assert_safe_for_spreadsheets(path: Path, rows: int) -> list[list[str]]:
+    """The CSV's rows as csv.reader reads them (``rows`` of them after the header), and no
+    cell that starts a formula, also for a reader that splits lines at every CR or LF."""
+    with open(path, newline="", encoding="utf-8") as file:
+        table = list(csv.reader(file))
+    assert len(table) == rows + 1 and len({len(row) for row in table}) == 1
+    text = path.read_bytes().decode("utf-8")
+    naive = [cell.lstrip('"') for line in re.split(r"[\r\n]", text) for cell in line.split(",")]
+    formulas = [cell for cell in naive if cell.startswith(("=", "+", "-", "@"))]
+    assert all(re.fullmatch(r"-[0-9.e+-]+", cell) for cell in formulas), formulas  # negatives
+    return table
+
+
+def test_a_carriage_return_in_a_name_cannot_start_a_formula_in_a_csv(
+    tmp_path, make_photos, tiny_mobilenet
+):
+    names = ["\r=1+1.png", "a\n@SUM(1).png", "plain.png"]
+    paths = make_photos(tmp_path / "images", {name: (32, 24) for name in names})
+    model = ["--model", MODEL, "--weights", tiny_mobilenet, "--methods", "gradcam", "--steps", "2"]
+    assert main(["compare", *map(str, paths), *model, "--out", str(tmp_path / "out")]) == 0
+    table = assert_safe_for_spreadsheets(tmp_path / "out" / "metrics.csv", rows=3)
+    assert [row[0] for row in table[1:]] == ["'\r'=1+1.png", "a\n'@SUM(1).png", "plain.png"]
+    # The layer table of `camviz inspect --csv` holds the model's own names.
+    model = nn.Sequential()
+    model.add_module("\r=cmd|calc", nn.Conv2d(3, 2, 1))
+    model.add_module("-head", nn.ReLU())
+    table = camviz.inspect(model, torch.rand(1, 3, 4, 4))
+    rows = assert_safe_for_spreadsheets(table.to_csv(tmp_path / "layers.csv"), rows=2)
+    assert [row[0] for row in rows[1:]] == ["'\r'=cmd|calc", "'-head"]
+
+
+def test_features_and_inspect_print_paths_escaped(tmp_path, photos, tiny_mobilenet, capsys):
+    model = ["--model", MODEL, "--weights", tiny_mobilenet]
+    out = tmp_path / "red\x1b[31m"
+    features = ["features", str(photos[0]), *model, "--layer", "features.0", "--tile", "1"]
+    assert main([*features, "--out", str(out)]) == 0
+    inspect = ["inspect", str(photos[0]), *model, "--layer", "features.0"]
+    assert main([*inspect, "--csv", str(out / "t.csv"), "--json", str(out / "t.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "\x1b" not in printed
+    assert printed.count("red\\x1b[31m") == 4  # the grid, the figure, the CSV and the JSON
+
+
+def corrupt_exif_jpeg(path: Path) -> Path:
+    """A JPEG whose EXIF block says it holds 5 tags and holds one: Pillow decodes the
+    pixels and warns "Corrupt EXIF data" (a multi-line warning when printed by Python)."""
+    entry = struct.pack(">HHI4s", 0x0112, 3, 1, b"\x00\x01\x00\x00")  # orientation 1
+    tiff = b"MM\x00*" + struct.pack(">I", 8) + struct.pack(">H", 5) + entry
+    Image.new("RGB", (32, 24), "red").save(path, exif=b"Exif\x00\x00" + tiff)
+    return path
+
+
+def test_warnings_are_one_camviz_line_each(tmp_path, tiny_mobilenet):
+    photo = corrupt_exif_jpeg(tmp_path / "photo.jpg")
+    with pytest.warns(UserWarning, match=r"photo\.jpg: Corrupt EXIF data"):
+        camviz.load_image(photo)  # the warning says which file it is about
+    # A real process: its warnings reach stderr as Python prints them (pytest records them).
+    command = [sys.executable, "-m", "camviz", "explain", str(photo), "--model", MODEL]
+    command += ["--weights", tiny_mobilenet, "--method", "scorecam", "--layer", "features.0"]
+    command += ["--memory-budget", "1", "--input-size", "32", "--workers", "0", "--quiet"]
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run(
+        [*command, "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines == [
+        f"camviz: warning: {photo}: Corrupt EXIF data.  Expecting to read 12 bytes but only got 0.",
+        "camviz: warning: scorecam: memory_budget 1 B is less than one perturbed copy needs "
+        + lines[1].split("needs ")[-1],
+    ]
+    assert lines[1].endswith("; running one copy per pass")
+
+
+class RowsOfItsOwn(nn.Module):
+    """A model that takes only the batch it is told: ``forward(image, rows)`` concatenates its
+    features with ``rows`` copies of a one-row table it holds. Neither a broadcast batch of
+    ablated copies nor a batch of whole-network copies fits it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.table = nn.Parameter(torch.randn(1, 4))
+        self.head = nn.Linear(10, 5)
+
+    def forward(self, image: torch.Tensor, rows: int) -> torch.Tensor:
+        pooled = self.conv(image).relu().mean(dim=(2, 3))
+        return self.head(torch.cat([pooled, self.table.expand(rows, -1)], dim=1))
+
+
+def test_ablationcam_falls_back_to_the_batch_as_given_with_one_line(untouched):
+    model = RowsOfItsOwn().eval()
+    images = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    with untouched(model), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = camviz.explain(model, (images, 2), "ablationcam", "conv", 1, normalize=False)
+    (warning,) = [w for w in caught if "ablationcam" in str(w.message)]
+    message = str(warning.message)
+    assert "\n" not in message and "RuntimeError: Sizes of tensors must match" in message
+    assert message.endswith("re-running it on the batch as given, once per channel, instead")
+    # The paper's formula by hand: w_k = (y - y_k) / y, y_k with channel k zeroed.
+    with torch.no_grad():
+        activations = model.conv(images)
+        score = model(images, 2)[:, 1]
+        weights = []
+        for channel in range(6):
+            ablated = activations.clone()
+            ablated[:, channel] = 0
+            pooled = torch.cat([ablated.relu().mean(dim=(2, 3)), model.table.expand(2, -1)], 1)
+            weights.append((score - model.head(pooled)[:, 1]) / score)
+        expected = torch.relu((torch.stack(weights, 1)[:, :, None, None] * activations).sum(1))
+    assert expected.amax() > 0
+    torch.testing.assert_close(result.layer_maps, expected)

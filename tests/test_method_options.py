@@ -19,6 +19,7 @@ CHANNEL_MAP_METHODS = [
     "ablationcam",
     "cam",
     "fem",
+    "fem_pgc",
     "gradcam",
     "gradcam++",
     "smooth_gradcam++",

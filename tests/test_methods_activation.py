@@ -142,32 +142,50 @@ def test_cam_names_the_classifier_when_the_layer_has_other_channels(resnet18, sm
 # --- FEM ----------------------------------------------------------------------------------
 
 
-def test_fem_equals_its_formula():
-    a = torch.tensor(
-        [
-            [[0.0, 0.0, 9.0], [0.0, 0.0, 0.0]],  # one spike: above mean + 2 std there
-            [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]],  # spread out: nothing above mean + 2 std
-            [[0.0, 5.0, 5.0], [0.0, 0.0, 0.0]],
-        ]
-    ).unsqueeze(0)
+FEM_EXAMPLE = torch.tensor(
+    [
+        [[1.0, 0.0, 9.0], [0.0, 0.0, 0.0]],  # one spike: above mean + 2 std there
+        [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]],  # spread out: nothing above mean + 2 std
+        [[0.0, 5.0, 5.0], [0.0, 0.0, 0.0]],
+    ]
+).unsqueeze(0)
+
+
+def test_fem_is_the_papers_masks_weighted_by_channel_means():
+    a = FEM_EXAMPLE
     result = camviz.cams.get("fem")().layer_map(layer_data(a))
-    # mean + 2 * std per channel (population std): 1.5 + 2 * 3.354 = 8.21, 3.5 + 2 * 1.708
-    # = 6.92, 1.667 + 2 * 2.357 = 6.38; only channel 0's 9 exceeds it: w = (1/6, 0, 0).
-    torch.testing.assert_close(result, a[:, 0] / 6)
+    # mean + 2 * std per channel (population std): 10/6 + 2 * 3.300 = 8.27, 3.5 + 2 * 1.708
+    # = 6.92, 10/6 + 2 * 2.357 = 6.38; only channel 0's 9 exceeds it, and its mask counts
+    # its mean, 10/6, there (not 9 / 6 as the activation-weighted variant gives).
+    expected = torch.zeros(1, 2, 3)
+    expected[0, 0, 2] = 10 / 6
+    torch.testing.assert_close(result, expected)
     lower = camviz.cams.get("fem")(k_sigma=0.5).layer_map(layer_data(a))
-    # mean + std / 2: 3.18, 4.35, 2.84 -> w = (1/6, 2/6, 2/6)
+    # mean + std / 2: 3.32, 4.35, 2.84 -> masks {9}, {5, 6}, {5, 5} with means 10/6, 3.5, 10/6.
+    expected = torch.tensor([[[0.0, 10 / 6, 10 / 6 + 10 / 6], [0.0, 3.5, 3.5]]])
+    torch.testing.assert_close(lower, expected)
+
+
+def test_fem_pgc_weighs_the_activations_by_the_share_of_each_mask():
+    a = FEM_EXAMPLE
+    result = camviz.cams.get("fem_pgc")().layer_map(layer_data(a))
+    # The same masks as above: channel 0 has 1 of 6 locations, so w = (1/6, 0, 0).
+    torch.testing.assert_close(result, a[:, 0] / 6)
+    lower = camviz.cams.get("fem_pgc")(k_sigma=0.5).layer_map(layer_data(a))
     torch.testing.assert_close(lower, (a[:, 0] + 2 * a[:, 1] + 2 * a[:, 2]) / 6)
 
 
 @pytest.mark.peers
 @pytest.mark.parametrize("layer", ["layer3", "layer2"])
-def test_fem_matches_pytorch_grad_cam(resnet18, small_batch, layer):
+def test_fem_pgc_matches_pytorch_grad_cam(resnet18, small_batch, layer):
     from pytorch_grad_cam import FEM
 
     theirs = peer_maps(FEM, resnet18, small_batch, layer, [3, 7])
-    ours = camviz.explain(resnet18, small_batch, "fem", layer=layer, target=[3, 7])
+    ours = camviz.explain(resnet18, small_batch, "fem_pgc", layer=layer, target=[3, 7])
     assert theirs.amax() > 0
     torch.testing.assert_close(normalize(ours.heatmaps), theirs, atol=1e-5, rtol=0)
+    papers = camviz.explain(resnet18, small_batch, "fem", layer=layer, target=[3, 7])
+    assert (normalize(papers.heatmaps) - theirs).abs().amax() > 0.1
 
 
 # --- KPCA-CAM -----------------------------------------------------------------------------
@@ -251,3 +269,30 @@ def test_random_maps_of_a_batch_are_those_of_its_samples_one_by_one(resnet18, sm
         torch.testing.assert_close(alone.layer_maps[0], batch.layer_maps[sample])
     other = camviz.explain(resnet18, small_batch, "random", "layer3", [3, 7], seed=1)
     assert (other.layer_maps - batch.layer_maps).abs().amax() > 0.1
+
+
+# --- Seeded draws -------------------------------------------------------------------------
+
+DRAWING = {
+    "random": {},
+    "smooth_gradcam++": {"samples": 3},
+    "sscam": {"num_samples": 2, "std": 0.5},
+}
+
+
+@pytest.mark.parametrize("method", list(DRAWING))
+def test_seeded_draws_give_the_same_maps_in_float32_and_float64(method, tiny_inputs):
+    model = PooledNet()
+    twin = copy.deepcopy(model).double()
+    options = DRAWING[method]
+    single = camviz.explain(model, tiny_inputs, method, "features.0", [0, 2], **options)
+    double = camviz.explain(twin, tiny_inputs.double(), method, "features.0", [0, 2], **options)
+    assert single.layer_maps.amax() > 0
+    # The weights or noise are drawn in float32 from the seeded generators, then cast: the
+    # two models differ only by their rounding.
+    torch.testing.assert_close(double.layer_maps.float(), single.layer_maps, atol=1e-5, rtol=0)
+    # The default seed (0, sscam's too) gives the same maps again, another seed other maps.
+    again = camviz.explain(model, tiny_inputs, method, "features.0", [0, 2], **options)
+    torch.testing.assert_close(again.layer_maps, single.layer_maps, atol=0, rtol=0)
+    other = camviz.explain(model, tiny_inputs, method, "features.0", [0, 2], seed=3, **options)
+    assert (other.layer_maps - single.layer_maps).abs().amax() > 1e-3

@@ -767,6 +767,52 @@ def test_segeigencam_equals_the_paper_formula(tiny_inputs):
     torch.testing.assert_close(result.layer_maps, expected, atol=1e-5, rtol=1e-4)
 
 
+# Spatially constant float32 features (each channel one value over a 5 x 5 grid), whose
+# centred matrix is float rounding alone, and an all-zero layer.
+FLAT_FEATURES = {
+    "constant": (3 * torch.rand(2, 6, 1, 1, generator=torch.Generator().manual_seed(2))).expand(
+        -1, -1, 5, 5
+    ),
+    "zero": torch.zeros(2, 6, 5, 5),
+}
+
+
+@pytest.mark.parametrize("features", list(FLAT_FEATURES))
+@pytest.mark.parametrize("method", ["eigencam", "eigen_gradcam", "segeigencam", "kpcacam"])
+def test_eigen_methods_give_zero_maps_where_the_locations_do_not_differ(method, features):
+    flat = FLAT_FEATURES[features].contiguous()
+    gradients = torch.ones_like(flat)
+    data = LayerData("layer", flat, gradients, nn.Identity(), torch.zeros(1), None, None)
+    assert torch.equal(camviz.cams.get(method)().layer_map(data), torch.zeros(2, 5, 5))
+    # A pattern a tenth of the features' size is structure, not rounding: it is the map.
+    pattern = torch.linspace(0, 1, 25).view(5, 5) ** 2
+    channels = torch.linspace(0.5, 1.5, 6).view(1, 6, 1, 1)
+    data.activations = flat + 0.1 * channels * pattern
+    kept = camviz.cams.get(method)().layer_map(data)
+    for sample in kept:
+        both = torch.stack([sample.flatten(), pattern.flatten()])
+        assert torch.corrcoef(both)[0, 1] > 0.99
+
+
+def test_a_spatially_constant_layer_gives_a_zero_map_and_says_so():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Upsample(size=(5, 5)),  # the layer: each channel's mean over the whole grid
+        nn.Flatten(),
+        nn.Linear(100, 3),
+    ).eval()
+    inputs = torch.rand(2, 3, 9, 9, generator=torch.Generator().manual_seed(1))
+    # (The gradient-weighted methods see |dy/dA| * A, which the head's weights make vary.)
+    for method in ("eigencam", "kpcacam"):
+        with pytest.warns(camviz.ZeroMapWarning, match="2 of 2 maps are all zero"):
+            result = camviz.explain(
+                model, inputs, method, layer="2", target=0, layout="channels_first"
+            )
+        assert not result.heatmaps.any()
+
+
 @pytest.mark.peers
 @pytest.mark.parametrize("layer", ["layer4", "layer3"])
 def test_segeigencam_matches_pytorch_grad_cam(resnet18, small_batch, layer):

@@ -192,13 +192,11 @@ def test_ablationcam_equals_the_paper_formula(model, layer, tiny_inputs, untouch
 
 def test_sscam_equals_the_paper_formula_with_the_same_noise(tiny_inputs, untouched):
     model, draws, std = TinyNet(), 3, 0.3
-    # Each image draws from its own generator seeded alike: draw by draw, channel by channel.
+    # Each image draws from its own generator seeded alike: draw by draw, channel by channel,
+    # in float32 whatever the model's dtype (this one is float64).
     generators = [torch.Generator().manual_seed(7) for _ in tiny_inputs]
     noise = [
-        [
-            [std * torch.randn(8, 8, generator=g, dtype=torch.float64) for _ in range(4)]
-            for g in generators
-        ]
+        [[std * torch.randn(8, 8, generator=g).double() for _ in range(4)] for g in generators]
         for _ in range(draws)
     ]
     with untouched(model):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from functools import partial
+from typing import Literal
 
 import torch
 
@@ -54,7 +55,10 @@ class AblationCAM(PerturbationMethod):
     plain forward pass; if it does not, or the later layers reject the batch (a
     ``torch.cat`` with an earlier tensor, an in-place update of one), the method warns and
     re-runs the whole network per channel instead, in chunks sized again from what one copy
-    costs the whole network.
+    costs the whole network. A model that takes no batch but the one it was given (one whose
+    ``forward`` concatenates a tensor of that batch size it holds or computes from another
+    input) is then run on that batch once per channel, the channel zeroed in every sample.
+    Either fallback is said in one warning that gives the reason.
 
     With ``precision="bf16"`` or ``"fp16"`` Ablation-CAM still scores in float32: its weights
     are small differences of scores, which 8 bits of mantissa do not resolve.
@@ -113,43 +117,64 @@ class AblationCAM(PerturbationMethod):
         checked, reason = chunks.measured(
             len(first) + 1, partial(_checked_broadcast, data, ranks, 0, first)
         )
-        broadcast = checked is not None
+        mode: _Mode = "broadcast" if checked is not None else "copies"
         if checked is not None:
             scores[:, 0, first] = checked.to(scores.dtype)
         else:
-            warnings.warn(
-                f"ablationcam: the layers after {data.layer!r} do not take a batch of "
-                f"ablated copies of one sample ({reason}); re-running the whole network per "
-                "channel instead",
-                RuntimeWarning,
-                stacklevel=2,
-            )
             chunks = self.chunks(data.inputs)  # a whole-network copy costs more: measure it
-        for sample in range(batch):
-            todo = every[len(first) :] if sample == 0 and broadcast else every
-            ablate = partial(_ablated_pass, data, ranks, sample, broadcast=broadcast)
-            for chunk, ablated in chunks.split(todo, ablate):
-                scores[:, sample, chunk] = ablated.to(scores.dtype)  # bf16 under autocast
+        try:
+            for sample in range(batch):
+                todo = every[len(first) :] if sample == 0 and mode == "broadcast" else every
+                ablate = partial(_ablated_pass, data, ranks, mode, sample)
+                for chunk, ablated in chunks.split(todo, ablate):
+                    scores[:, sample, chunk] = ablated.to(scores.dtype)  # bf16 under autocast
+        except _BROADCAST_FAILURES as error:
+            # A model that takes only its own batch size passes the checks when a chunk
+            # happens to have as many rows, and fails on the next one.
+            mode, reason = "batch", _failure(error)
+            for channel in every:
+                scores[:, :, channel] = _ablated_pass(data, ranks, mode, 0, channel[None])
+        if mode != "broadcast":
+            message = _FALLBACKS[mode].format(layer=data.layer, reason=reason)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)  # from rank_weights' caller
         return scores
+
+
+# How a pass runs the network (see _ablated_pass), and the warning of each fallback.
+_Mode = Literal["broadcast", "copies", "batch"]
+_FALLBACKS = {
+    "copies": "ablationcam: the layers after {layer!r} do not take a batch of ablated copies "
+    "of one sample ({reason}); re-running the whole network per channel instead",
+    "batch": "ablationcam: the model does not take a batch of copies of one sample "
+    "({reason}); re-running it on the batch as given, once per channel, instead",
+}
 
 
 def _ablated_pass(
     data: LayerData,
     ranks: Sequence[LayerData],
+    mode: _Mode,
     sample: int,
     channels: torch.Tensor,
-    broadcast: bool,
 ) -> torch.Tensor:
-    """``(K, R)`` scores of sample ``sample`` with channel ``channels[r]`` zeroed in row ``r``.
+    """``(K, R)`` scores with channel ``channels[r]`` zeroed in row ``r``.
 
-    A channel of ``-1`` zeroes nothing. With ``broadcast`` the layers before the target run
-    on the one sample (the model's other inputs, if any, come as ``R`` copies) and its
-    ``(1, ...)`` layer output becomes ``R`` ablated copies; otherwise the whole network runs
-    on ``R`` copies of the sample.
+    A channel of ``-1`` zeroes nothing. ``"broadcast"``: the layers before the target run
+    on sample ``sample`` (the model's other inputs, if any, come as ``R`` copies) and its
+    ``(1, ...)`` layer output becomes ``R`` ablated copies. ``"copies"``: the whole network
+    runs on ``R`` copies of the sample. ``"batch"``: the whole network runs on the batch as
+    given, the one channel in ``channels`` zeroed in every sample (``R`` is the batch size),
+    for a model that takes no other batch.
     """
-    single = data.inputs[sample : sample + 1]
-    inputs = single if broadcast else single.repeat(len(channels), *[1] * (single.dim() - 1))
-    samples = torch.full_like(channels, sample)
+    if mode == "batch":
+        inputs = data.inputs
+        samples = torch.arange(len(inputs), device=channels.device)
+        channels = channels.expand(len(inputs))
+    else:
+        single = data.inputs[sample : sample + 1]
+        repeat = mode == "copies"
+        inputs = single.repeat(len(channels), *[1] * (single.dim() - 1)) if repeat else single
+        samples = torch.full_like(channels, sample)
     rows = (channels >= 0).nonzero()[:, 0]
     assert data.layout is not None  # checked by AblationCAM.ablated_scores
     # Channels are dim 1 of channels-first maps and the last dim of the other layouts.
@@ -166,6 +191,11 @@ def _ablated_pass(
     return rank_scores(output, ranks, samples)
 
 
+def _failure(error: BaseException) -> str:
+    """``error`` in a few words, for a fallback's warning."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+
+
 def _checked_broadcast(
     data: LayerData, ranks: Sequence[LayerData], sample: int, chunk: torch.Tensor
 ) -> tuple[torch.Tensor | None, str]:
@@ -173,9 +203,9 @@ def _checked_broadcast(
     the plain forward pass's score; else ``None`` and why not (for the warning)."""
     with_check = torch.cat([chunk.new_full((1,), -1), chunk])
     try:
-        scores = _ablated_pass(data, ranks, sample, with_check, broadcast=True)
+        scores = _ablated_pass(data, ranks, "broadcast", sample, with_check)
     except _BROADCAST_FAILURES as error:
-        return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        return None, _failure(error)
     assert data.scores is not None  # checked by AblationCAM.ablated_scores
     check, expected = scores[0, 0], data.scores[sample]
     # Under bf16 / fp16 autocast another batch size may round the score differently.

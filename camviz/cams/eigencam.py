@@ -23,7 +23,9 @@ class EigenCAM(CamMethod):
         L = ReLU( O v_1 ) = ReLU( U_1 s_1 )         (v_1: first right singular vector)
 
     with the sign of ``v_1`` chosen so that ``L`` correlates positively with the channel sum of
-    the activations. The map does not depend on the target class.
+    the activations. The map does not depend on the target class. It is zero when ``s_1`` is
+    at most ``1e-5`` times the Frobenius norm of the uncentred activations (float rounding,
+    not a component: :mod:`camviz.cams.projection`).
 
     Compared with pytorch-grad-cam's ``EigenCAM``: the same centring and projection (up to
     float rounding), but pytorch-grad-cam keeps whatever sign its SVD returns, so for some

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 
 from camviz.cams.base import CamMethod, LayerData
-from camviz.cams.projection import signed_like
+from camviz.cams.projection import negligible, signed_like, zeroed
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
 
@@ -55,6 +55,11 @@ class KPCACAM(CamMethod):
     ``exp(-gamma |x - y|^2)``, ``poly`` ``(gamma <x, y> + 1)^3``, ``linear`` ``<x, y>`` (then
     this is Eigen-CAM), ``cosine``.
 
+    As for Eigen-CAM, a map is zero where there is no component but float rounding: when the
+    locations' first singular value is negligible next to the activations' norm, or
+    ``lambda_1`` next to the trace of ``K`` (before centring; see
+    :mod:`camviz.cams.projection`).
+
     Cost: an ``n x n`` eigendecomposition per image, cubic in ``n``: cheap for a last
     convolutional layer (7 x 7, ``n = 49``), costly for an early one (56 x 56,
     ``n = 3136``).
@@ -87,6 +92,7 @@ class KPCACAM(CamMethod):
         centred = observations - observations.mean(dim=1, keepdim=True)
         gamma = 1 / activations.shape[1] if self.gamma is None else self.gamma
         gram = kernel_matrix(centred, self.kernel, gamma)
+        trace = gram.diagonal(dim1=1, dim2=2).sum(dim=-1)
         gram = (
             gram
             - gram.mean(dim=1, keepdim=True)
@@ -95,5 +101,10 @@ class KPCACAM(CamMethod):
         )
         values, vectors = torch.linalg.eigh(gram)
         projection = vectors[..., -1] * values[..., -1:].clamp_min(0).sqrt()
+        flat = negligible(
+            torch.linalg.matrix_norm(centred, ord=2),
+            torch.linalg.vector_norm(observations, dim=(1, 2)),
+        )
+        projection = zeroed(projection, flat | negligible(values[..., -1], trace))
         projection = projection.view(activations.shape[0], *activations.shape[2:])
         return signed_like(projection, activations.sum(dim=1))

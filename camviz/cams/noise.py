@@ -3,7 +3,9 @@
 Each sample of a batch draws from its own generator, and every generator starts from the
 same seed. A sample therefore gets the same noise, and so the same map, whether it is
 explained alone or at any position in a batch of any size (a list of images of different
-sizes too: each image's noise is drawn at its own size).
+sizes too: each image's noise is drawn at its own size). Noise is drawn in float32 and then
+cast, so a float64 or bfloat16 model gets the noise of its float32 twin (a float64 draw is
+another sequence of numbers).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class SampleNoise:
         dtype: torch.dtype,
         sizes: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
-        """``(R, *shape)`` standard normal noise; row ``r`` is the next draw of sample
+        """``(R, *shape)`` standard normal noise in ``dtype``; row ``r`` is the next draw of sample
         ``samples[r]``'s generator (rows of one sample are drawn in order).
 
         ``sizes``: for a list of images in a zero-padded batch, each sample's spatial size;
@@ -48,8 +50,8 @@ class SampleNoise:
         for sample in samples.tolist():
             own = shape if sizes is None else (*shape[: -len(sizes[sample])], *sizes[sample])
             noise = torch.randn(
-                own, generator=self.generators[sample], device=self.device, dtype=dtype
-            )
+                own, generator=self.generators[sample], device=self.device, dtype=torch.float32
+            ).to(dtype)
             if tuple(own) != tuple(shape):
                 padded = noise.new_zeros(shape)
                 corner(padded, own).copy_(noise)

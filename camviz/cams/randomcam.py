@@ -22,8 +22,9 @@ class RandomCAM(ChannelMapMethod):
     relation to the class. The weights of each sample are drawn from a generator of its own
     seeded with ``seed``, so a batch gives the same maps as its samples explained one by one,
     and a run the same maps as the last (on the same device type); every sample, and every
-    rank of a top-k target, gets the same ``C`` weights. pytorch-grad-cam draws from numpy's
-    global generator.
+    rank of a top-k target, gets the same ``C`` weights. They are drawn in float32 and then
+    cast, so a float64 model gets the weights of its float32 twin. pytorch-grad-cam draws
+    from numpy's global generator.
 
     Args:
         seed: The seed (default 0, so that baselines are reproducible); ``None`` draws from
@@ -45,13 +46,15 @@ class RandomCAM(ChannelMapMethod):
     def weighted_activations(self, data: LayerData) -> torch.Tensor:
         activations = data.activations
         batch, channels = activations.shape[:2]
-        device, dtype = activations.device, activations.dtype
+        device = activations.device
+        # Drawn in float32 whatever the activations' dtype: a float64 draw is another
+        # sequence, so the same seed would give other weights.
         if self.seed is None:
-            uniform = torch.rand(batch, channels, device=device, dtype=dtype)
+            uniform = torch.rand(batch, channels, device=device, dtype=torch.float32)
         else:
             # Each sample's generator would start from the same seed: one draw serves all.
             generator = torch.Generator(device).manual_seed(self.seed)
-            uniform = torch.rand(channels, generator=generator, device=device, dtype=dtype)
+            uniform = torch.rand(channels, generator=generator, device=device, dtype=torch.float32)
             uniform = uniform.expand(batch, -1)
-        weights = 2 * uniform - 1  # in [-1, 1)
+        weights = (2 * uniform - 1).to(activations.dtype)  # in [-1, 1)
         return ChannelWeighted.terms(weights, activations)

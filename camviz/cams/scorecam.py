@@ -207,8 +207,9 @@ class SSCAM(ScoreCAM):
             take (see :class:`ScoreCAM`).
         num_samples: Noise draws ``M``.
         std: Standard deviation of the noise added to the ``[0, 1]`` masks.
-        seed: Seed of the noise, for reproducible maps; ``None`` draws the seed from torch's
-            global generator.
+        seed: Seed of the noise (default 0, as ``smooth_gradcam++``'s), so that the same
+            input always gives the same map; ``None`` draws the seed from torch's global
+            generator.
         weighting: As for :class:`ScoreCAM` (default ``"softmax"``, the paper's).
         eigen_smooth: See :class:`~camviz.cams.base.ChannelMapMethod` (default ``False``).
     """
@@ -225,7 +226,7 @@ class SSCAM(ScoreCAM):
         batch_size: int | None = None,
         num_samples: int = 35,
         std: float = 2.0,
-        seed: int | None = None,
+        seed: int | None = 0,
         weighting: Weighting = "softmax",
         *,
         memory_budget: int | str | None = None,

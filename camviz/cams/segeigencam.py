@@ -25,7 +25,8 @@ class SegEigenCAM(CamMethod):
         L^c = ReLU( p )    if |max p| >= |min p|,   else ReLU( -p )      (equation 13)
 
     The sign rule makes the larger extreme of the projection positive; Eigen-Grad-CAM
-    instead follows the correlation with the channel sum. Works with a
+    instead follows the correlation with the channel sum. As in Eigen-CAM, the map is zero
+    when the first singular value is negligible next to ``G``'s norm. Works with a
     :class:`~camviz.core.targets.Region` target on a segmentation output, as the paper
     intends, and with class targets on classifiers.
     """

@@ -11,9 +11,9 @@ that fails); argument errors exit with 2, as argparse does. An interrupted run (
 ``SIGINT``) stops cleanly with status 130, and so does one that is told to stop
 (``SIGTERM``, what batch schedulers and ``torchrun`` send) with status 143 (128 + 15, as a
 shell reports it): the folder's lock is released and every file is whole, so the same
-command resumes. Every message goes through
-:func:`camviz.cli.text.printable`, so a file name cannot write escape sequences to the
-terminal or break the line.
+command resumes. Every line goes through :func:`camviz.cli.text.echo`, so a file name
+cannot write escape sequences to the terminal or break the line, and every warning is one
+``camviz: warning:`` line.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from types import FrameType
 
 from camviz import __version__
-from camviz.cli.text import Parser, printable
+from camviz.cli.text import Parser, echo, one_line_warnings
 from camviz.core.errors import CamvizError, first_line
 
 SUBCOMMANDS = (
@@ -46,7 +46,7 @@ SUBCOMMANDS = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="camviz",
         description="See what a PyTorch vision model looks at.",
     )
@@ -83,11 +83,17 @@ def _terminated_as_interrupted() -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = build_parser().parse_args(argv)
+    with one_line_warnings():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The subcommand's status, or a one-line error's."""
     try:
         with _terminated_as_interrupted():
             return args.run(args)
     except CamvizError as error:
-        print(f"camviz: error: {printable(str(error))}", file=sys.stderr)
+        echo(f"camviz: error: {error}", stream=sys.stderr)
         return 1
     except BrokenPipeError:
         # The reader went away (`camviz methods | head`): stop quietly, as other tools do.
@@ -95,12 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except OSError as error:
         where = f": {error.filename}" if error.filename else ""
-        message = f"{error.strerror or first_line(error)}{where}"
-        print(f"camviz: error: {printable(message)}", file=sys.stderr)
+        echo(f"camviz: error: {error.strerror or first_line(error)}{where}", stream=sys.stderr)
         return 1
     except Terminated:
         print("camviz: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM
     except KeyboardInterrupt:
-        print("camviz: interrupted", file=sys.stderr)
+        echo("camviz: interrupted", stream=sys.stderr)
         return 130

@@ -6,9 +6,11 @@ import argparse
 import sys
 
 from camviz.cli.options import (
+    MAX_STEPS,
     add_memory_budget_option,
     add_model_options,
     add_precision_options,
+    curve_steps,
 )
 
 
@@ -33,7 +35,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--layer", default=None, help="target layer (see `camviz layers`)")
     parser.add_argument("--out", default="camviz-compare", metavar="DIR", help="output folder")
     parser.add_argument(
-        "--steps", type=int, default=20, help="steps of the deletion and insertion curves"
+        "--steps",
+        type=curve_steps,
+        default=20,
+        help=f"steps of the deletion and insertion curves, 1 to {MAX_STEPS}",
     )
     parser.add_argument(
         "--batch-size", type=int, default=16, help="perturbed images per forward pass"
@@ -49,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from camviz import cams
     from camviz.cams.settings import ExplainSettings
     from camviz.cli.options import explain_settings, load_model
-    from camviz.cli.text import printable
+    from camviz.cli.text import echo
     from camviz.core.errors import CamvizError
     from camviz.evaluation.report import compare, write_report
     from camviz.pipeline.job import check_out_dir
@@ -57,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
     methods = [] if args.methods == "all" else _split(args.methods)
     for method in methods:
         cams.get(method)  # an unknown name fails before the model loads
-    if args.steps < 1 or args.batch_size < 1:
-        raise CamvizError("--steps and --batch-size must be positive integers")
+    if args.batch_size < 1:
+        raise CamvizError("--batch-size must be a positive integer")
     check_out_dir(Path(args.out))  # before minutes of work, not after
     loaded = load_model(args)
     if args.methods == "all":
@@ -69,19 +74,21 @@ def run(args: argparse.Namespace) -> int:
         methods,
         steps=args.steps,
         batch_size=args.batch_size,
-        progress=lambda line: print(printable(line), file=sys.stderr),
+        progress=lambda line: echo(line, stream=sys.stderr),
         bar=None,
         settings=ExplainSettings(**explain_settings(args)),
     )
     written = write_report(comparison, args.out)
-    print("| method | deletion AUC | insertion AUC | average drop % | win rate % | ms / image |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for row in comparison.summary():
-        print(
+    echo(
+        "| method | deletion AUC | insertion AUC | average drop % | win rate % | ms / image |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        *(
             f"| {row['method']} | {row['deletion_auc']:.3f} | {row['insertion_auc']:.3f} | "
             f"{row['average_drop']:.1f} | {row['win_rate']:.1f} | {row['ms_per_image']:.0f} |"
-        )
-    print(printable(f"wrote {written['report']}, {written['metrics']} and {written['summary']}"))
+            for row in comparison.summary()
+        ),
+        f"wrote {written['report']}, {written['metrics']} and {written['summary']}",
+    )
     return 0
 
 

@@ -11,6 +11,8 @@ from camviz.cli.options import (
     add_memory_budget_option,
     add_model_options,
     add_precision_options,
+    input_size,
+    worker_count,
 )
 from camviz.cli.text import printable
 
@@ -109,7 +111,7 @@ def _add_batches(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--workers",
-        type=_not_negative,
+        type=worker_count,
         default=min(4, max(0, (os.cpu_count() or 1) - 1)),
         metavar="N",
         help="processes that decode images (0: decode in the main process)",
@@ -128,7 +130,7 @@ def _add_batches(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--input-size",
-        type=_positive,
+        type=input_size,
         default=None,
         metavar="PIXELS",
         help="scale each image's shorter side to PIXELS instead of the model's size (for a "

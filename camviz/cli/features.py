@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from camviz.cli.options import add_model_options, add_precision_options
+from camviz.cli.options import add_model_options, add_precision_options, tile_size
 
 if TYPE_CHECKING:
     import torch
@@ -49,11 +49,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--tile",
-        type=int,
+        type=tile_size,
         default=64,
         metavar="PX",
         help="enlarge small channels (nearest neighbour, by a whole factor) until the short "
-        "side of each tile in the grid is at least PX pixels; 1 keeps them as they are",
+        "side of each tile in the grid is at least PX pixels (1 to 1024); 1 keeps them as "
+        "they are",
     )
     add_precision_options(parser)
     parser.set_defaults(run=run)
@@ -64,14 +65,12 @@ def run(args: argparse.Namespace) -> int:
 
     from camviz.cams.layout import as_spatial, patch_size
     from camviz.cli.options import load_model
-    from camviz.core.errors import CamvizError
+    from camviz.cli.text import echo
     from camviz.core.layerkinds import module_kind
     from camviz.debug.extraction import features
     from camviz.io.images import load_image
     from camviz.io.render import channel_figure, channel_grid, save
 
-    if args.tile < 1:
-        raise CamvizError(f"--tile must be at least 1 pixel, not {args.tile}")
     image = load_image(args.image)
     loaded = load_model(args)
     inputs = loaded.preprocess(image).unsqueeze(0)
@@ -112,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             weights=weights.get(name),
         )
         save(drawn, figure)
-        print(f"{name}: {tuple(activations.shape[1:])} -> {grid}, {figure}")
+        echo(f"{name}: {tuple(activations.shape[1:])} -> {grid}, {figure}")
     return 0
 
 

@@ -46,6 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from camviz.cli.options import load_model
+    from camviz.cli.text import echo
     from camviz.debug.layerstats import find_first_nonfinite, inspect
     from camviz.io.images import load_image
 
@@ -54,12 +55,12 @@ def run(args: argparse.Namespace) -> int:
     inputs = loaded.preprocess(image).unsqueeze(0)
     as_asked = {"precision": args.precision, "channels_last": args.channels_last}
     table = inspect(loaded.model, inputs, layers=args.layer, backward=args.backward, **as_asked)
-    print(table)
+    echo(*str(table).splitlines())
     for path, write in ((args.csv, table.to_csv), (args.json, table.to_json)):
         if path:
-            print(f"wrote {write(path)}")
+            echo(f"wrote {write(path)}")
     if not all(row.finite for row in table):
-        print(find_first_nonfinite(loaded.model, inputs, **as_asked))
+        echo(*str(find_first_nonfinite(loaded.model, inputs, **as_asked)).splitlines())
     return 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from camviz.cli.options import add_model_options, add_precision_options
+from camviz.cli.options import add_model_options, add_precision_options, whole_number
 
 #: The largest ``--size`` accepted: a 2048 x 2048 input already needs gigabytes of
 #: activations in a large model; larger ones only exhaust memory.
@@ -32,20 +32,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _size(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 1 <= value <= MAX_SIZE:
-        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_SIZE} pixels")
-    return value
+    return whole_number(text, 1, MAX_SIZE, " pixels")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from camviz.cli.options import load_model
-    from camviz.cli.text import aligned
+    from camviz.cli.text import aligned, echo
     from camviz.core.errors import CamvizError, first_line
     from camviz.core.layers import layer_shapes
 
@@ -69,5 +63,5 @@ def run(args: argparse.Namespace) -> int:
         ]
         for name, kind, shape in rows
     ]
-    print(aligned(["layer", "type", "output shape", ""], marked))
+    echo(*aligned(["layer", "type", "output shape", ""], marked).splitlines())
     return 0

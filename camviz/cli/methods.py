@@ -29,18 +29,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from camviz import cams
-    from camviz.cli.text import aligned
+    from camviz.cli.text import aligned, echo
 
     if args.markdown:
-        print(cams.table())
+        echo(*cams.table().splitlines())
         return 0
     methods = sorted(
         (cams.get(name) for name in cams.names()),
         key=lambda cls: (_FAMILIES.index(family(cls)), cls.name),
     )
     rows = [[cls.name, family(cls), cls.needs, _venue(cls.paper)] for cls in methods]
-    print(aligned(["method", "family", "needs", "published"], rows))
-    print("\nPapers: `camviz methods --markdown`, or the README.")
+    echo(*aligned(["method", "family", "needs", "published"], rows).splitlines())
+    echo("", "Papers: `camviz methods --markdown`, or the README.")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -13,6 +14,44 @@ if TYPE_CHECKING:
 
 # Device types that hold data a model can run on (``meta`` holds none).
 _DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+
+# Bounds of the sizes and counts the subcommands take: beyond them a run asks for more
+# memory or time than any machine has (a 10000-pixel input is 100 megapixels per image).
+MAX_INPUT_SIZE = 4096
+MAX_TILE = 1024
+MAX_STEPS = 1000
+
+
+def input_size(text: str) -> int:
+    """``--input-size``: 1 to :data:`MAX_INPUT_SIZE` pixels (an argparse ``type=``)."""
+    return whole_number(text, 1, MAX_INPUT_SIZE, " pixels")
+
+
+def tile_size(text: str) -> int:
+    """``features --tile``: 1 to :data:`MAX_TILE` pixels."""
+    return whole_number(text, 1, MAX_TILE, " pixels")
+
+
+def curve_steps(text: str) -> int:
+    """``compare --steps``: 1 to :data:`MAX_STEPS`."""
+    return whole_number(text, 1, MAX_STEPS)
+
+
+def worker_count(text: str) -> int:
+    """``--workers``: 0 to the CPUs of this machine (more only compete for the same cores)."""
+    return whole_number(text, 0, os.cpu_count() or 1, " (the CPUs of this machine)")
+
+
+def whole_number(text: str, low: int, high: int, unit: str = "") -> int:
+    """``text`` as a whole number from ``low`` to ``high``, else an argparse error (one line
+    that says the range)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"must be between {low} and {high}{unit}")
+    return value
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:

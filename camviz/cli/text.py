@@ -1,10 +1,19 @@
-"""What the command line prints: safe names, aligned tables, help that shows defaults."""
+"""What the command line prints: safe names, aligned tables, help that shows defaults.
+
+Every line a subcommand prints goes through :func:`echo` (and so :func:`printable`), and
+every warning raised while it runs is printed as one ``camviz: warning:`` line
+(:func:`one_line_warnings`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 import unicodedata
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import NoReturn, TextIO
 
 # Characters that change how a terminal shows what follows: bidirectional overrides and
 # isolates (a file name could reverse the rest of the line).
@@ -29,6 +38,42 @@ def printable(text: str) -> str:
 def _escaped(character: str) -> str:
     escaped = repr(character)[1:-1]  # '\n', '\x1b', '\u202e'
     return escaped if escaped != character else f"\\x{ord(character):02x}"
+
+
+def echo(*lines: str, stream: TextIO | None = None) -> None:
+    """Print each of ``lines`` as one line, through :func:`printable`, to stdout (or
+    ``stream``). A table is several lines: pass ``*text.splitlines()``."""
+    for line in lines:
+        print(printable(line), file=stream or sys.stdout)
+
+
+@contextlib.contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """While the block runs, a warning that reaches the terminal is printed as one line,
+    ``camviz: warning: <its first line>``, escaped.
+
+    Python's own format adds the source file, the line number and the source line, and
+    libraries' messages may span lines (Pillow's, the DataLoader's, camviz's own). Only
+    the format changes, so filters and ``warnings.catch_warnings(record=True)`` (pytest's
+    ``pytest.warns``) work as before.
+    """
+    original = warnings.formatwarning
+    warnings.formatwarning = _one_line_warning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
+
+
+def _one_line_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    line: str | None = None,
+) -> str:
+    lines = str(message).strip().splitlines()
+    return f"camviz: warning: {printable(lines[0] if lines else category.__name__)}\n"
 
 
 def aligned(header: Sequence[str], rows: Sequence[Sequence[str]], gap: int = 2) -> str:
@@ -61,8 +106,20 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """A subcommand's parser: help with defaults shown (see :class:`DefaultsFormatter`)."""
+    """A parser whose help shows defaults (see :class:`DefaultsFormatter`) and whose errors
+    are one line.
+
+    argparse prints the whole usage before an error; camviz's rule is one line that says
+    what was wrong and what to do, so the usage is replaced by a pointer to ``--help``.
+    """
 
     def __init__(self, **options: object) -> None:
         options.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(**options)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(
+            2,
+            printable(f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)")
+            + "\n",
+        )

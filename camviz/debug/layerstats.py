@@ -13,10 +13,8 @@ with a NaN is therefore the innermost layer that produced it.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import html
-import io
 import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -36,6 +34,7 @@ from camviz.core.modelstate import HookSet, eval_mode
 from camviz.core.precision import Precision, model_precision
 from camviz.core.targets import Target, score_fns
 from camviz.io.atomic import atomic_write
+from camviz.io.csvfiles import write_csv
 
 # The order of the numbers that tensor_stats returns.
 STATISTICS = ("mean", "std", "min", "max", "zeros", "nans", "infs")
@@ -196,16 +195,15 @@ class LayerTable:
         return f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
     def to_csv(self, path: str | Path) -> Path:
-        """Write one line per row (shape as ``1x64x32x32``, NaN as ``nan``); return the path."""
-        buffer = io.StringIO()
-        writer = csv.writer(buffer, lineterminator="\n")
+        """Write one line per row (shape as ``1x64x32x32``, NaN as ``nan``; cells made safe for
+        spreadsheets, :mod:`camviz.io.csvfiles`); return the path."""
         columns = self._columns()
-        writer.writerow(columns)
+        lines = []
         for row in self.rows:
             values = dataclasses.asdict(row)
             values["shape"] = "x".join(map(str, row.shape))
-            writer.writerow([values[name] for name in columns])
-        return _write_text(path, buffer.getvalue())
+            lines.append([values[name] for name in columns])
+        return write_csv(path, columns, lines)
 
     def to_json(self, path: str | Path) -> Path:
         """Write a list of row objects; NaN (no finite values) becomes ``null``. Return the path."""

@@ -11,9 +11,10 @@ increase in confidence, win rate). :func:`write_report` writes the numbers to a 
   plain JavaScript, and a Content-Security-Policy forbids anything else, so the page opens
   from disk, with no server, and loads nothing from the network.
 * ``metrics.csv`` - one row per image and method; ``summary.csv`` - one row per method.
-  A text cell that a spreadsheet would run as a formula (one starting with ``=``, ``+``,
-  ``-``, ``@``, a tab or a carriage return: an image named ``=cmd|...``) is written with a
-  ``'`` in front, as OWASP's advice on CSV injection says.
+  A text cell that a spreadsheet would run as a formula (one with a line starting with
+  ``=``, ``+``, ``-``, ``@``, a tab or a carriage return: an image named ``=cmd|...``) is
+  written with a ``'`` in front, as OWASP's advice on CSV injection says
+  (:mod:`camviz.io.csvfiles`).
 
 Images are named by their path relative to the folder they share (``a/x.png`` and
 ``b/x.png``, not twice ``x.png``). Each method is run once on the first image before
@@ -26,7 +27,6 @@ Every file is written atomically.
 from __future__ import annotations
 
 import base64
-import csv
 import html
 import io
 import os
@@ -59,6 +59,7 @@ from camviz.evaluation.metrics import (
     win_rate,
 )
 from camviz.io.atomic import atomic_write
+from camviz.io.csvfiles import write_csv
 from camviz.io.images import load_image
 from camviz.io.models import LoadedModel
 from camviz.io.render import overlay
@@ -546,26 +547,7 @@ def _cell_row(cell: Cell) -> dict[str, float | int | str]:
 
 
 def _write_csv(path: Path, rows: list[dict[str, float | int | str]]) -> None:
-    with atomic_write(path, "w") as file:
-        writer = csv.DictWriter(file, fieldnames=list(rows[0]), lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(
-            {key: spreadsheet_safe(value) for key, value in row.items()} for row in rows
-        )
-
-
-# First characters that make a spreadsheet read a cell as a formula (OWASP, CSV injection).
-_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
-
-
-def spreadsheet_safe(value: float | int | str) -> float | int | str:
-    """A text cell that would start a formula, with ``'`` in front; other values as they are.
-
-    Numbers are written by the csv module as numbers (a negative one stays ``-0.5``).
-    """
-    if isinstance(value, str) and value.startswith(_FORMULA_STARTS):
-        return "'" + value
-    return value
+    write_csv(path, list(rows[0]), [list(row.values()) for row in rows])
 
 
 def _mean(values: Iterable[float]) -> float:

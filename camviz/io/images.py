@@ -24,10 +24,11 @@ model takes, and :func:`load_batch` does both for a list of files.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal
@@ -39,12 +40,15 @@ from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF  # noqa: N812 - the conventional name
 
 from camviz.core.errors import CamvizError, first_line
+from camviz.io.files import open_regular
 
 __all__ = [
     "BACKGROUND",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "MAX_INPUT_PIXELS",
     "MAX_PIXELS",
+    "MAX_SIDE_RATIO",
     "PathLike",
     "Preprocess",
     "check_size",
@@ -56,6 +60,12 @@ __all__ = [
 #: Default largest image, in pixels, that :func:`load_image` decodes (64 megapixels is
 #: well above any camera photo and about 200 MB of RGB).
 MAX_PIXELS = 64_000_000
+
+#: The largest tensor :class:`Preprocess` makes, in pixels, and its most elongated shape
+#: (longer side over shorter). The file's size alone says little: a 69-byte 1 x 600 PNG
+#: scaled to a shorter side of 224 would be 224 x 134400, gigabytes of activations.
+MAX_INPUT_PIXELS = MAX_PIXELS
+MAX_SIDE_RATIO = 16
 
 #: ImageNet channel statistics, the default normalisation of torchvision and timm models.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -83,19 +93,20 @@ def load_image(path: PathLike, *, max_pixels: int | None = MAX_PIXELS) -> Image.
         A new RGB image, fully decoded and not tied to the file (which is closed).
 
     Raises:
-        CamvizError: The file is missing, a folder, empty, not an image, truncated or
-            corrupt, or too large. The message names the file.
+        CamvizError: The file is missing, a folder, a FIFO, socket or device, empty, not an
+            image, truncated or corrupt, or too large. The message names the file.
     """
     path = Path(path)
     if path.is_dir():
         raise CamvizError(f"{path} is a folder, not an image file; give the path of an image")
     try:
-        with open(path, "rb") as file:
+        with open_regular(path) as file:  # a FIFO would block the command forever
             if os.fstat(file.fileno()).st_size == 0:
                 raise CamvizError(f"{path} is empty (0 bytes); re-export or re-download it")
-            image = _open(file, path)
-            check_size(image, path, max_pixels)
-            return to_rgb(ImageOps.exif_transpose(image))
+            with _warnings_naming(path):
+                image = _open(file, path)
+                check_size(image, path, max_pixels)
+                return to_rgb(ImageOps.exif_transpose(image))
     except FileNotFoundError:
         raise CamvizError(f"image file not found: {path}; check the path") from None
     except PermissionError:
@@ -107,6 +118,19 @@ def load_image(path: PathLike, *, max_pixels: int | None = MAX_PIXELS) -> Image.
         raise CamvizError(
             f"{path} is truncated or corrupt ({first_line(error)}); re-export or re-download it"
         ) from None
+
+
+@contextlib.contextmanager
+def _warnings_naming(path: Path) -> Iterator[None]:
+    """Pillow's warnings about a file (``Corrupt EXIF data``, ``Truncated File Read``) raised
+    again with the file's name in front: Pillow's own do not say which file they are about."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for warning in caught:
+        lines = str(warning.message).strip().splitlines()
+        text = lines[0] if lines else warning.category.__name__
+        warnings.warn(f"{path}: {text}", warning.category, stacklevel=4)
 
 
 def _open(file: IO[bytes], path: Path) -> Image.Image:
@@ -188,6 +212,10 @@ def _extent(values: np.ndarray) -> tuple[float, float]:
 @dataclass(frozen=True)
 class Preprocess:
     """Resize and normalise an RGB image into the ``(3, H, W)`` float tensor a model takes.
+
+    A tensor of more than :data:`MAX_INPUT_PIXELS` pixels, or with one side more than
+    :data:`MAX_SIDE_RATIO` times the other, is refused before it is made (a
+    :class:`~camviz.core.errors.CamvizError`; the folder job makes it a failed row).
 
     There is no centre crop: the whole image is explained, so the heatmap maps back onto
     the original exactly (:func:`camviz.render.overlay` stretches it to the original size).
@@ -283,9 +311,11 @@ class Preprocess:
                 f"Preprocess takes a PIL image, not {type(image).__name__}; read files with "
                 "camviz.images.load_image"
             )
+        size = self.output_size(width, height)
+        _check_input_size(size, (height, width))
         resized = TF.resize(
             pixels,
-            list(self.output_size(width, height)),
+            list(size),
             interpolation=_INTERPOLATIONS[self.interpolation],
             antialias=True,
         )
@@ -293,6 +323,28 @@ class Preprocess:
             resized = TF.pil_to_tensor(resized)
         scaled = TF.to_dtype(resized, torch.float32, scale=True)
         return TF.normalize(scaled, list(self.mean), list(self.std))
+
+
+def _check_input_size(size: tuple[int, int], original: tuple[int, int]) -> None:
+    """Refuse a preprocessed ``(H, W)`` ``size`` (of an ``original`` ``(H, W)`` image) larger
+    than :data:`MAX_INPUT_PIXELS` or more elongated than :data:`MAX_SIDE_RATIO`.
+
+    Raises:
+        CamvizError: What the sizes are and what to do, in one line.
+    """
+    height, width = size
+    image = f"an image of {original[1]}x{original[0]} pixels"
+    if max(size) > MAX_SIDE_RATIO * min(size):
+        raise CamvizError(
+            f"{image} would preprocess to {width}x{height}, more elongated than "
+            f"{MAX_SIDE_RATIO}:1; crop it to a less elongated part, or pad it"
+        )
+    if width * height > MAX_INPUT_PIXELS:
+        raise CamvizError(
+            f"{image} would preprocess to {width}x{height} ({width * height / 1e6:.1f} "
+            f"megapixels), more than the limit of {MAX_INPUT_PIXELS / 1e6:.0f}; use a smaller "
+            "input size, or downscale it"
+        )
 
 
 def load_batch(

@@ -52,11 +52,12 @@ from camviz.core.memory import is_out_of_memory
 from camviz.core.modelstate import eval_mode
 from camviz.core.precision import at_least_fp32, forward_precision
 from camviz.core.targets import Target, as_logits
+from camviz.io.files import not_a_regular_file
 from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
 from camviz.io.models import LoadedModel, Task, task_of
 from camviz.io.video import FrameReader
 from camviz.pipeline.decoding import decode, decoder, device_decodes, encoded_jpeg
-from camviz.pipeline.inputs import Item, expand, not_a_regular_file
+from camviz.pipeline.inputs import Item, expand
 from camviz.pipeline.results import (
     TOP_PREDICTIONS,
     ImageResult,
@@ -380,9 +381,14 @@ def _decoded(samples: list[_Sample], prepared: _Prepared, device: torch.device) 
             samples[position] = prepared.read(index)
             continue
         started = time.perf_counter()
+        try:
+            inputs = prepared.preprocess(pixels)  # type: ignore[arg-type]  # a Preprocess
+        except CamvizError as error:  # too large or too elongated once resized: a row
+            samples[position] = _Sample(index, reason=first_line(error), seconds=seconds)
+            continue
         samples[position] = _Sample(
             index,
-            inputs=prepared.preprocess(pixels),  # type: ignore[arg-type]  # a Preprocess
+            inputs=inputs,
             # The original comes to the CPU once: results carry it as a PIL image.
             original=pixels.permute(1, 2, 0).cpu() if prepared.keep_images else None,
             size=(pixels.shape[2], pixels.shape[1]),

@@ -47,7 +47,6 @@ import glob
 import hashlib
 import os
 import re
-import stat
 from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from pathlib import Path
 from PIL import Image
 
 from camviz.core.errors import CamvizError
+from camviz.io.files import not_a_regular_file
 from camviz.pipeline.naming import rank_clash
 
 #: File extensions taken as videos; everything else is read as an image.
@@ -264,31 +264,6 @@ def _read_list(path: Path) -> list[str]:
         for entry in entries
         if entry and not entry.startswith("#")
     ]
-
-
-def not_a_regular_file(path: str | os.PathLike[str]) -> str | None:
-    """Why ``path`` cannot be read as a file (missing, a FIFO, a device...), or ``None``.
-
-    Opening a FIFO blocks until something writes to it, so special files are refused
-    before anything opens them; links are followed.
-    """
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return f"input not found: {path}; check the path"
-    except OSError as error:
-        return f"cannot read {path} ({error.strerror or type(error).__name__}); check the path"
-    if stat.S_ISREG(mode):
-        return None
-    kinds = {
-        stat.S_ISFIFO: "a FIFO",
-        stat.S_ISSOCK: "a socket",
-        stat.S_ISCHR: "a character device",
-        stat.S_ISBLK: "a block device",
-        stat.S_ISDIR: "a folder",
-    }
-    kind = next((name for test, name in kinds.items() if test(mode)), "a special file")
-    return f"{path} is not a regular file ({kind}); camviz reads regular files only"
 
 
 def _is_media(path: Path) -> bool:
