@@ -25,7 +25,7 @@ import torch
 from camviz.core.errors import CamvizError
 from camviz.core.taps import parse
 
-__all__ = ["Unit", "parse_channels", "parse_unit"]
+__all__ = ["Unit", "as_units", "parse_channels", "parse_unit"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,6 +142,14 @@ class Unit:
             )
         at: tuple[slice | int, ...] = (slice(None), slice(None), *index)
         return maps[at]
+
+
+def as_units(value: object, what: str = "units") -> list[Unit]:
+    """One :class:`Unit` or a list of them, as a list; anything else is a one-line error."""
+    given = [value] if isinstance(value, Unit) else value
+    if isinstance(given, (list, tuple)) and given and all(isinstance(u, Unit) for u in given):
+        return list(given)
+    raise CamvizError(f"{what} must be a camviz.Unit or a list of them, not {value!r}")
 
 
 def _is_index(value: object) -> bool:

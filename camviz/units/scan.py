@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from camviz.core.errors import CamvizError, first_line
 from camviz.core.inputs import model_device
 from camviz.core.modelstate import eval_mode, exclusive
-from camviz.core.unit import Unit
+from camviz.core.unit import Unit, as_units
 from camviz.io.images import PathLike, Preprocess
 from camviz.io.models import LoadedModel
 from camviz.pipeline.dataset import ItemDataset
@@ -156,11 +156,8 @@ class UnitScan:
             raise CamvizError(f"k must be a positive whole number, not {k!r}")
         if statistic not in ("max", "mean"):
             raise CamvizError(f"statistic must be 'max' or 'mean', not {statistic!r}")
-        given = [units] if isinstance(units, Unit) else list(units)
-        if not given or not all(isinstance(unit, Unit) for unit in given):
-            raise CamvizError("units must be a camviz.Unit or a list of them")
         self.model = model
-        self.units = [single for unit in given for single in unit.ranked()]
+        self.units = [single for unit in as_units(units) for single in unit.ranked()]
         self.statistic = statistic
         self.heaps = TopHeaps(len(self.units), k)
         self._spots = list(dict.fromkeys(unit.layer for unit in self.units))

@@ -38,7 +38,7 @@ from camviz.core.inputs import model_device
 from camviz.core.layers import default_target_layer
 from camviz.core.modelstate import eval_mode, exclusive
 from camviz.core.targets import as_logits
-from camviz.core.unit import Unit
+from camviz.core.unit import Unit, as_units
 from camviz.io.models import LoadedModel
 from camviz.units.spots import outputs_at, spatial_view
 
@@ -143,14 +143,15 @@ def _check(size: int, steps: int, lr: float, batch: int, diversity: float, targe
         raise CamvizError(f"diversity must be 0 or more, not {diversity!r}")
     if diversity > 0 and batch < 2:
         raise CamvizError("diversity compares the images of a batch; give batch=2 or more")
-    if isinstance(target, Unit):
-        if target.ranks != 1:
-            raise CamvizError(
-                f"visualize_unit draws one unit at a time, and {target.label} has "
-                f"{target.ranks} channels; call it for each of target.ranked()"
-            )
-    elif isinstance(target, bool) or not isinstance(target, int) or target < 0:
+    if isinstance(target, bool) or (isinstance(target, int) and target < 0):
         raise CamvizError(f"target must be a camviz.Unit or a class id, not {target!r}")
+    if not isinstance(target, int):
+        (unit,) = as_units(target, "target")
+        if unit.ranks != 1:
+            raise CamvizError(
+                f"visualize_unit draws one unit at a time, and {unit.label} has "
+                f"{unit.ranks} channels; call it for each of target.ranked()"
+            )
 
 
 class _SpectralImage:
@@ -203,32 +204,31 @@ class _Objective:
         device: torch.device,
     ) -> None:
         self.model = model
-        self.target = target
+        self.class_id = target if isinstance(target, int) else -1
         self.size = (size, size)
         self.diversity = diversity
-        self.spots: list[str] = [target.layer] if isinstance(target, Unit) else []
+        self.unit = None if isinstance(target, int) else as_units(target)[0]
+        self.spots: list[str] = [] if self.unit is None else [self.unit.layer]
         if diversity > 0 and not self.spots:  # a class: diversity at the default layer
             probe = torch.zeros(1, 3, size, size, device=device)
             self.spots = [default_target_layer(model, probe)]
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        finish = not isinstance(self.target, Unit)
-        tensors, output = outputs_at(self.model, inputs, self.spots, finish=finish)
+        tensors, output = outputs_at(self.model, inputs, self.spots, finish=self.unit is None)
         views = [spatial_view(self.model, spot, tensors[spot], self.size) for spot in self.spots]
-        if isinstance(self.target, Unit):
-            value = self.target.scores(views[0])[:, 0].sum()
+        if self.unit is not None:
+            value = self.unit.scores(views[0])[:, 0].sum()
         else:
-            value = self._logits(output)[:, self.target].sum()
+            value = self._logits(output)[:, self.class_id].sum()
         if self.diversity > 0:
             value = value - self.diversity * _similarity(views[0]) * len(inputs)
         return value
 
     def _logits(self, output: object) -> torch.Tensor:
         logits = as_logits(output)
-        assert isinstance(self.target, int)
-        if logits.dim() != 2 or not 0 <= self.target < logits.shape[1]:
+        if logits.dim() != 2 or not 0 <= self.class_id < logits.shape[1]:
             raise CamvizError(
-                f"class id {self.target} is out of range for the model's output of shape "
+                f"class id {self.class_id} is out of range for the model's output of shape "
                 f"{tuple(logits.shape)}"
             )
         return logits
