@@ -2,8 +2,10 @@
 
 The engine (:mod:`camviz.cams.engine`) runs the model once, records the target layer's
 activations and, if the method asks for them, the exact gradients of the explained score
-with respect to those activations. A method only turns that :class:`LayerData` into one
-raw map per sample; the engine applies ReLU, normalises and upsamples.
+with respect to those activations (:mod:`camviz.cams.recording`). A method only turns that
+:class:`LayerData` into one raw map per sample; the engine applies ReLU, normalises and
+upsamples (:mod:`camviz.cams.finishing`). What a method gives besides is declared by its
+class (:class:`ChannelWeighted`, :class:`InputMapMethod`).
 
 Activations are channels-first ``(N, C, *grid)`` with one to three grid axes (signals,
 images, volumes), so methods reduce over :func:`grid_dims`, never over fixed axes.
@@ -28,8 +30,8 @@ from camviz.core.placement import Placement, Stretch
 
 if TYPE_CHECKING:
     from camviz.cams.layout import Layout
-    from camviz.core.inputs import Inputs
-    from camviz.core.targets import Target
+    from camviz.core.inputs import Inputs, Key
+    from camviz.core.targets import TargetObject
 
 
 @dataclass
@@ -137,7 +139,7 @@ class CamMethod:
         """Whether the method can explain ``model`` (LeGrad needs a vision transformer)."""
         return True
 
-    def explained_target(self, target: Target) -> Target:
+    def explained_target(self, target: TargetObject) -> TargetObject:
         """The target the engine explains when the caller asks for ``target``.
 
         The identity; Finer-CAM turns it into a contrast with the nearest classes.
@@ -155,6 +157,16 @@ class CamMethod:
         same perturbed outputs; the others compute rank by rank.
         """
         return [self.layer_map(data) for data in ranks]
+
+
+class InputMapMethod(CamMethod):
+    """A method that gives a map on every input with spatial axes (the methods built on
+    input gradients); the engine reports them in ``Explanation.maps_by_input``, and the map
+    input's is the method's map."""
+
+    def input_maps(self, data: LayerData) -> dict[Key, torch.Tensor]:
+        """``{input position or name: (N, *spatial) map}`` for every spatial input."""
+        raise NotImplementedError
 
 
 class ChannelMapMethod(CamMethod):

@@ -70,7 +70,7 @@ def _call_bias(
 class _BiasTaps(CallMode):
     """Replaces the output ``z`` of each biased call by ``z + delta``, with a zero ``delta``
     that requires grad, so that ``dy/d(delta) = dy/dz`` (the engine's trick, see
-    :mod:`camviz.cams.engine`; in-place operations after the call do not disturb it).
+    :mod:`camviz.cams.recording`; in-place operations after the call do not disturb it).
 
     Intercepting the functional calls rather than modules covers ``nn.Conv2d``,
     ``nn.BatchNorm2d`` and every module built on them, such as timm's ``BatchNormAct2d``, whose

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 
-from camviz.cams.base import CamMethod, LayerData
+from camviz.cams.base import CamMethod, InputMapMethod, LayerData
 from camviz.cams.gradcam import GradCAM
 from camviz.cams.registry import register
 from camviz.core.calls import CallMode
@@ -125,7 +125,7 @@ def saliency(gradients: torch.Tensor) -> torch.Tensor:
     return gradients.abs().amax(dim=1)
 
 
-class InputGradientMethod(CamMethod):
+class InputGradientMethod(InputMapMethod):
     """A method whose map is ``max_c |g_c|`` of an input gradient: it gives a map for every
     input with spatial axes (:meth:`input_maps`); the map input's is its layer map."""
 

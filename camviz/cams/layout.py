@@ -37,19 +37,6 @@ from torch import nn
 from camviz.core.errors import CamvizError
 from camviz.core.layerkinds import Kind
 
-# What layout= accepts: the three kinds, and the usual spellings of the first two.
-LAYOUT_NAMES: dict[str, Kind] = {
-    "channels_first": "channels_first",
-    "ncl": "channels_first",
-    "nchw": "channels_first",
-    "ncdhw": "channels_first",
-    "channels_last": "channels_last",
-    "nlc": "channels_last",
-    "nhwc": "channels_last",
-    "ndhwc": "channels_last",
-    "tokens": "tokens",
-}
-
 LAYOUT_HINT = (
     "pass layout='channels_first' (N, C, *grid), 'channels_last' (N, *grid, C) or "
     "'tokens' (N, T, C) to say which it is"
@@ -82,15 +69,6 @@ class Layout:
         if self.kind == "channels_last":
             return tensor.movedim(-1, 1)
         return tensor[:, self.prefix :].unflatten(1, self.grid).movedim(-1, 1)
-
-
-def layout_kind(name: str) -> Kind:
-    """The kind a ``layout=`` value names."""
-    if not isinstance(name, str) or name.lower() not in LAYOUT_NAMES:
-        raise CamvizError(
-            f"unknown layout {name!r}; use 'channels_first', 'channels_last' or 'tokens'"
-        )
-    return LAYOUT_NAMES[name.lower()]
 
 
 def layout_of(

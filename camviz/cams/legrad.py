@@ -6,7 +6,7 @@ No attention matrix needs to exist in the model. timm's ``Attention`` calls
 ``F.multi_head_attention_forward``, which calls the former. For the duration of one forward
 pass a :class:`~torch.overrides.TorchFunctionMode` computes each such call explicitly, the
 attention as ``(softmax(q k^T * scale + mask) + delta) v`` with a zero ``delta`` that
-requires grad (the engine's trick, :mod:`camviz.cams.engine`): the gradient with respect to
+requires grad (the engine's trick, :mod:`camviz.cams.recording`): the gradient with respect to
 ``delta`` is the gradient with respect to the attention probabilities, and the forward values
 are those of the fused call up to float rounding. Nothing on the model is changed but one
 flag: timm's ``Attention`` modules built with fused attention off (``TIMM_FUSED_ATTN=0``)

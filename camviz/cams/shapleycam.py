@@ -24,7 +24,7 @@ class ShapleyCAM(ChannelMapMethod):
         L^c   = ReLU( sum_k w_k^c A^k )
 
     The engine provides ``H A`` from the same forward pass (see
-    :mod:`camviz.cams.engine`): one backward pass with ``create_graph=True`` through the
+    :mod:`camviz.cams.recording`): one backward pass with ``create_graph=True`` through the
     layers after the target, then a second one. Where those layers are piecewise linear in
     ``A`` (ReLU, max-pooling, batch norm in eval mode, linear layers) ``H A`` is zero and
     ShapleyCAM is Grad-CAM exactly; it differs after smooth activations (SiLU, GELU) or with

@@ -18,7 +18,7 @@ import torch
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.registry import create, register
 from camviz.core.errors import CamvizError
-from camviz.core.targets import Contrast, Nearest, Region, Target
+from camviz.core.targets import TargetObject
 
 
 class Wrapper(CamMethod):
@@ -105,15 +105,14 @@ class FinerCAM(Wrapper):
         self.alpha = float(alpha)
         self.references = references
 
-    def explained_target(self, target: Target) -> Target:
-        if isinstance(target, Contrast):
-            return target
-        if isinstance(target, Region) or callable(target):
+    def explained_target(self, target: TargetObject) -> TargetObject:
+        contrast = target.nearest_contrast(self.references, self.alpha)
+        if contrast is None:
             raise CamvizError(
                 "finercam compares class scores; give a class target (an id, ids, 'top1'), "
                 "or a Contrast"
             )
-        return Contrast(target, Nearest(self.references), self.alpha)  # type: ignore[arg-type]
+        return contrast
 
 
 @register

@@ -31,6 +31,7 @@ import torch
 from torchvision.ops import batched_nms, box_convert, box_iou
 
 from camviz.core.errors import CamvizError
+from camviz.core.targets.protocol import Change, Context, Resolved, TargetObject
 
 #: A model's raw output -> one dict per image with ``boxes``, ``scores`` and ``labels``.
 Adapter = Callable[[Any], Sequence[Mapping[str, torch.Tensor]]]
@@ -39,7 +40,7 @@ _FIELDS = ("boxes", "scores", "labels")
 
 
 @dataclass(frozen=True, eq=False)
-class Detection:
+class Detection(TargetObject):
     """Explain detections: by index, or as the best match of a box and class.
 
     Pass it as ``target=`` to :func:`camviz.explain` with a detector:
@@ -88,16 +89,15 @@ class Detection:
         if not 0 <= self.iou <= 1:
             raise CamvizError(f"Detection.iou must be in [0, 1], got {self.iou}")
 
-    def resolve(
-        self, output: Any, output_key: str | int | None = None
-    ) -> tuple[list[DetectionScore], torch.Tensor]:
-        """The score function of each object (rank) and the explained labels ``(N, K)``,
-        found in the plain pass's ``output``.
+    def resolve(self, output: Any, context: Context | None = None) -> Resolved:
+        """The score function of each object (rank), the explained labels ``(N, K)`` and
+        boxes ``(N, K, 4)``, found in the plain pass's ``output``.
 
         Raises:
             CamvizError: The output is no list of detections, an index does not exist, or
                 no detection of a box's class overlaps it enough.
         """
+        output_key = None if context is None else context.output_key
         found = self.detections(output, output_key)
         references: list[torch.Tensor] | None = None
         if self.index is not None:
@@ -132,7 +132,13 @@ class Detection:
                     read=self._reader(output_key),
                 )
             )
-        return scores, torch.stack([score.labels for score in scores], dim=1)
+        return _resolved(scores)
+
+    def follow(self, change: Change) -> TargetObject:
+        """The objects of the plain pass, followed by class and box in the changed input."""
+        scores = [score for score in change.plain.scores if isinstance(score, DetectionScore)]
+        assert len(scores) == len(change.plain.scores)  # what resolve gives
+        return Followed(tuple(scores)).follow(change)
 
     def detections(
         self, output: Any, output_key: str | int | None = None
@@ -258,17 +264,20 @@ class DetectionScore:
 
 
 @dataclass(frozen=True, eq=False)
-class Followed:
+class Followed(TargetObject):
     """The objects explained in a plain pass, as the target of passes on variants of the
     input (``aug_smooth``): each found again by class and box in every output."""
 
     scores: tuple[DetectionScore, ...]
 
-    def resolve(
-        self, output: Any, output_key: str | int | None = None
-    ) -> tuple[list[DetectionScore], torch.Tensor]:
-        """The objects' score functions and labels ``(N, K)`` (``output`` is not needed)."""
-        return list(self.scores), torch.stack([score.labels for score in self.scores], dim=1)
+    def resolve(self, output: Any, context: Context | None = None) -> Resolved:
+        """The objects' score functions, labels ``(N, K)`` and boxes (``output`` is not
+        needed)."""
+        return _resolved(list(self.scores))
+
+    def follow(self, change: Change) -> TargetObject:
+        """The same objects in the changed input (rescaled and flipped, or as they are)."""
+        return self.moved(change.factors or (1.0, 1.0), change.flip_width)
 
     def moved(self, factors: Sequence[float], flip_width: float | None) -> Followed:
         """The same objects in a rescaled and flipped input (:meth:`DetectionScore.moved`)."""
@@ -371,12 +380,12 @@ class DenseDetections:
         return scores
 
 
-def is_detection_output(output: Any) -> bool:
-    """Whether ``output`` is a detector's list of per-image dicts of detections."""
-    return (
-        isinstance(output, (list, tuple))
-        and len(output) > 0
-        and all(isinstance(item, Mapping) and "boxes" in item for item in output)
+def _resolved(scores: list[DetectionScore]) -> Resolved:
+    """The objects' score functions with their labels ``(N, K)`` and boxes ``(N, K, 4)``."""
+    return Resolved(
+        tuple(scores),
+        torch.stack([score.labels for score in scores], dim=1),
+        boxes=torch.stack([score.boxes for score in scores], dim=1),
     )
 
 

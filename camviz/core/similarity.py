@@ -13,10 +13,11 @@ from torch import nn
 
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import Inputs, as_inputs
-from camviz.core.targets import as_logits
+from camviz.core.targets.outputs import as_logits
+from camviz.core.targets.protocol import Change, Context, Resolved, TargetObject
 
 
-class Similarity:
+class Similarity(TargetObject):
     """Target: ``cos(e(x_n), r_n)``, the cosine similarity between the model's output
     embedding of each sample and its reference.
 
@@ -54,9 +55,9 @@ class Similarity:
         """Whether the reference is embeddings (a 1-D or 2-D tensor) rather than inputs."""
         return isinstance(self.reference, torch.Tensor) and self.reference.dim() <= 2
 
-    def embedded(self, model: nn.Module, batch: Inputs) -> Similarity:
+    def prepare(self, model: nn.Module, inputs: Inputs) -> Similarity:
         """This target with its reference as ``(1 or N, D)`` embeddings, checked against
-        the model's output for ``batch`` (the model must be in eval mode)."""
+        the model's output for ``inputs`` (the model must be in eval mode)."""
         reference = self.reference
         if not self.is_embedding():
             reference_inputs = as_inputs(reference, model)
@@ -67,21 +68,37 @@ class Similarity:
                 f"Similarity needs a float reference embedding or an input batch, not "
                 f"{type(reference).__name__}"
             )
-        device = batch.main.device
+        device = inputs.main.device
         reference = reference.detach().to(device)
         if reference.dim() == 1:
             reference = reference.unsqueeze(0)
         first = torch.zeros(1, dtype=torch.long, device=device)
         with torch.no_grad():
-            sample = self.embedding(batch.replaced({}, first)(model))
-        if reference.shape[-1] != sample.shape[-1] or reference.shape[0] not in (1, batch.size):
+            sample = self.embedding(inputs.replaced({}, first)(model))
+        if reference.shape[-1] != sample.shape[-1] or reference.shape[0] not in (1, inputs.size):
             raise CamvizError(
                 f"the Similarity reference has shape {tuple(reference.shape)}, but the model "
-                f"embeds each of the {batch.size} inputs in {sample.shape[-1]} values; give "
-                f"({sample.shape[-1]},), (1, {sample.shape[-1]}) or ({batch.size}, "
-                f"{sample.shape[-1]}) embeddings, or 1 or {batch.size} reference inputs"
+                f"embeds each of the {inputs.size} inputs in {sample.shape[-1]} values; give "
+                f"({sample.shape[-1]},), (1, {sample.shape[-1]}) or ({inputs.size}, "
+                f"{sample.shape[-1]}) embeddings, or 1 or {inputs.size} reference inputs"
             )
         return Similarity(reference, self.output_key, self.name)
+
+    def resolve(self, output: Any, context: Context) -> Resolved:
+        """This similarity as the one score function (no class).
+
+        Raises:
+            CamvizError: The reference is inputs, not yet embedded by :meth:`prepare`.
+        """
+        if not self.is_embedding():
+            raise CamvizError(
+                "this Similarity holds reference inputs, which must be embedded by the model "
+                "first (camviz.explain does it); pass reference embeddings here"
+            )
+        return Resolved((self,))
+
+    def follow(self, change: Change) -> TargetObject:
+        return self
 
     def embedding(self, output: Any) -> torch.Tensor:
         """The ``(R, D)`` embeddings in a model output."""

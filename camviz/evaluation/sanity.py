@@ -43,7 +43,7 @@ from camviz.core.hooks import tensors_in
 from camviz.core.inputs import as_batch
 from camviz.core.layers import Layer, resolve_layers
 from camviz.core.modelstate import eval_mode
-from camviz.core.targets import Target, TopK
+from camviz.core.targets import Context, Target, as_target
 
 __all__ = [
     "Explainer",
@@ -253,13 +253,13 @@ def _explainer(
 
 def _fixed_target(target: Target, model: nn.Module, inputs: torch.Tensor) -> Target:
     """Top-1 and top-k as the trained model's class ids; any other target as it is."""
-    if not (target is None or isinstance(target, (str, TopK))):
+    chosen = as_target(target)
+    if not chosen.picks_classes:
         return target
-    from camviz.core.targets import as_logits, class_ids
-
     with eval_mode(model), torch.inference_mode():
-        logits = as_logits(model(inputs))
-    return class_ids(target, logits).clone()
+        output = model(inputs)
+    ids = chosen.resolve(output, Context(batch_size=len(inputs))).class_ids
+    return target if ids is None else ids.clone()
 
 
 def _stages(

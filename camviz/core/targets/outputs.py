@@ -1,0 +1,113 @@
+"""Reading a model's output: where its scores are, and which of its parts are rows.
+
+Rows are what a target scores: row ``r`` of a batch output belongs to one input. A tensor's
+rows are along its first axis; a tuple, list or dict holds tensors with rows; a list with
+one element per sample (a detector's per-image dicts, or one dict of scores per sample) is
+itself a batch of rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from camviz.core.errors import CamvizError
+from camviz.core.hooks import tensors_in
+
+
+def is_per_sample_list(output: Any) -> bool:
+    """Whether ``output`` is a list (or tuple) with one element per sample: a detector's
+    per-image dicts (``boxes``, ``scores``, ``labels``), or one dict of 0-d scores each."""
+    return (
+        isinstance(output, (list, tuple))
+        and len(output) > 0
+        and all(isinstance(item, Mapping) and _one_sample(item) for item in output)
+    )
+
+
+def _one_sample(item: Mapping[Any, Any]) -> bool:
+    """Whether a dict holds one sample: detections, or only 0-d tensors (at least one)."""
+    if "boxes" in item:
+        return True
+    tensors = [value for value in item.values() if isinstance(value, torch.Tensor)]
+    return bool(tensors) and all(tensor.dim() == 0 for tensor in tensors)
+
+
+def row_count(output: Any) -> tuple[int, torch.device] | None:
+    """How many rows a model output has and on which device, or ``None`` if it has none."""
+    if is_per_sample_list(output):
+        first = next(tensors_in(output), None)
+        return len(output), first.device if first is not None else torch.device("cpu")
+    first = next(tensors_in(output), getattr(output, "logits", None))
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        return None
+    return first.shape[0], first.device
+
+
+def take_rows(output: Any, rows: torch.Tensor) -> Any:
+    """The rows ``rows`` of every tensor in a model output (tensor, tuple, list or dict)."""
+    if isinstance(output, torch.Tensor):
+        return output[rows.to(output.device)]
+    if is_per_sample_list(output):  # one element per row
+        return [output[row] for row in rows.tolist()]
+    if isinstance(output, (tuple, list)):
+        return type(output)(take_rows(item, rows) for item in output)
+    if isinstance(output, Mapping):
+        return {key: take_rows(item, rows) for key, item in output.items()}
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return {"logits": logits[rows.to(logits.device)]}
+    return output
+
+
+def as_logits(output: Any, output_key: str | int | None = None) -> torch.Tensor:
+    """The class-score tensor inside a model's output.
+
+    Args:
+        output: A tensor; a tuple or list (the first element, or ``output[output_key]``);
+            a dict (``output[output_key]``, or its only tensor value, or ``"logits"``/
+            ``"out"``); an object with a ``.logits`` attribute (Hugging Face models).
+        output_key: Which element of a tuple or dict holds the scores.
+
+    Raises:
+        CamvizError: No tensor can be found, or the key is not there.
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    if output_key is not None:
+        try:
+            return as_logits(output[output_key])
+        except (KeyError, IndexError, TypeError):
+            raise CamvizError(
+                f"the model output has no element {output_key!r}; pass output_key= one of "
+                f"{_keys_of(output)}"
+            ) from None
+    if isinstance(output, (tuple, list)) and output:
+        return as_logits(output[0])
+    if isinstance(output, dict):
+        for key in ("logits", "out"):
+            if key in output:
+                return as_logits(output[key])
+        tensors = [value for value in output.values() if isinstance(value, torch.Tensor)]
+        if len(tensors) == 1:
+            return tensors[0]
+        raise CamvizError(
+            f"the model returns a dict with keys {list(output)}; pass output_key= to say "
+            "which one holds the class scores"
+        )
+    if isinstance(getattr(output, "logits", None), torch.Tensor):
+        return output.logits
+    raise CamvizError(
+        f"cannot find class scores in a model output of type {type(output).__name__}; pass "
+        "target= a callable that maps the output to one score per sample"
+    )
+
+
+def _keys_of(output: Any) -> list[Any]:
+    if isinstance(output, dict):
+        return list(output)
+    if isinstance(output, (tuple, list)):
+        return list(range(len(output)))
+    return []
