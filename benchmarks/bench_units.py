@@ -56,9 +56,7 @@ def main() -> None:
 
         def timed(step: Callable[[torch.Tensor], None]) -> float:
             started = time.perf_counter()
-            for _, batch, _ in scan_batches(
-                dataset, preprocess, order, args.batch_size, 0, None
-            ):
+            for _, batch, _ in scan_batches(dataset, preprocess, order, args.batch_size, 0, None):
                 assert batch is not None
                 step(batch)
             return args.images / (time.perf_counter() - started)

@@ -45,7 +45,7 @@ _EXPORTS = {
     "RowTarget": "camviz.core.targets:RowTarget",
     "Similarity": "camviz.core.similarity:Similarity",
     "TopK": "camviz.core.targets:TopK",
-    "Unit": "camviz.core.unit:Unit",
+    "Unit": "camviz.core.targets:Unit",
     "ZeroMapWarning": "camviz.core.errors:ZeroMapWarning",
     "capture": "camviz.core.hooks:capture",
     "channel_grid": "camviz.io.render:channel_grid",
@@ -126,7 +126,7 @@ if TYPE_CHECKING:
     from camviz.core.targets import Region as Region
     from camviz.core.targets import RowTarget as RowTarget
     from camviz.core.targets import TopK as TopK
-    from camviz.core.unit import Unit as Unit
+    from camviz.core.targets import Unit as Unit
     from camviz.debug import edits as edits
     from camviz.debug.extraction import features as features
     from camviz.debug.layerstats import LayerTable as LayerTable

@@ -7,12 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import conv_net
+from conftest import conv_net, tiny_vit
 from PIL import Image
 from torch import nn
 
+import camviz
 from camviz.core.errors import CamvizError
-from camviz.core.unit import Unit, parse_channels, parse_unit
+from camviz.core.layers import default_target_layer
+from camviz.core.targets.unit import Unit, parse_channels, parse_unit
 from camviz.io.images import Preprocess
 from camviz.io.pictures import select_channels
 from camviz.units.fields import receptive_field
@@ -143,6 +145,101 @@ def test_heaps_of_shards_merge_into_the_heaps_of_everything_and_keep_an_image_on
     assert [[e.index for e in unit] for unit in even.best()] == [[1, 3, 2], [3, 0, 1]]
     assert even.best() == whole.best()
     assert TopHeaps.from_state(even.state()).best() == whole.best()
+
+
+# Units as targets ---------------------------------------------------------------------------
+
+
+def hand_gradcam(activations: torch.Tensor, gradients: torch.Tensor) -> torch.Tensor:
+    """Grad-CAM of ``(N, C, *grid)`` activations and gradients, min-max normalised per map."""
+    weights = gradients.flatten(2).mean(dim=2)
+    cam = torch.relu(torch.einsum("nc,nc...->n...", weights, activations)).detach()
+    low = cam.flatten(1).amin(1).view(-1, *[1] * (cam.dim() - 1))
+    high = cam.flatten(1).amax(1).view(-1, *[1] * (cam.dim() - 1))
+    return (cam - low) / (high - low)
+
+
+def test_unit_gradcam_equals_a_hand_autograd_of_the_channel_mean_in_a_cnn(untouched):
+    model = conv_net(4, 6, 5, classes=3)
+    inputs = torch.rand(2, 3, 20, 20, generator=torch.Generator().manual_seed(7))
+    channels = [1, 3]
+    with untouched(model):
+        result = camviz.explain(model, inputs, layer="1", target=Unit("4", channel=channels))
+    activations = model[:2](inputs).detach().requires_grad_()
+    unit_layer = model[2:5](activations)
+    expected, scores = [], []
+    for channel in channels:  # sample-major: sample 0's channels, then sample 1's
+        score = unit_layer[:, channel].mean(dim=(1, 2))
+        (gradients,) = torch.autograd.grad(score.sum(), activations, retain_graph=True)
+        expected.append(hand_gradcam(activations, gradients))
+        scores.append(score.detach())
+    expected_maps = torch.stack(expected, dim=1).flatten(0, 1)
+    torch.testing.assert_close(result.layer_maps, expected_maps, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(result.scores, torch.stack(scores, 1).flatten(), rtol=1e-5, atol=0)
+    assert result.targets.tolist() == [-1] * 4  # a unit is no class
+    # A neuron and a direction are read from the same layer.
+    neuron = camviz.explain(model, inputs, layer="1", target=Unit("4", neuron=(2, 5, 7)))
+    torch.testing.assert_close(neuron.scores, unit_layer[:, 2, 5, 7].detach())
+    direction = torch.tensor([0.5, -1.0, 0.0, 2.0, 0.0])
+    along = camviz.explain(model, inputs, layer="1", target=Unit("4", direction=direction))
+    projected = torch.einsum("nchw,c->n", unit_layer, direction) / unit_layer[0, 0].numel()
+    torch.testing.assert_close(along.scores, projected.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_unit_gradcam_equals_a_hand_autograd_on_the_patch_tokens_of_a_vit():
+    model = tiny_vit()
+    inputs = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(8))
+    first, second = "encoder.layers.encoder_layer_0", "encoder.layers.encoder_layer_1"
+    result = camviz.explain(model, inputs, layer=first, target=Unit(second, channel=3))
+    kept: dict[str, torch.Tensor] = {}
+
+    def replace(module, args, output):
+        kept["A"] = output.detach().requires_grad_()
+        return kept["A"]
+
+    def keep(module, args, output):
+        kept["B"] = output
+
+    handles = [
+        model.get_submodule(first).register_forward_hook(replace),
+        model.get_submodule(second).register_forward_hook(keep),
+    ]
+    model(inputs)
+    for handle in handles:
+        handle.remove()
+    score = kept["B"][:, 1:, 3].mean(dim=1)  # the patch tokens only, not the class token
+    (gradients,) = torch.autograd.grad(score.sum(), kept["A"])
+    on_grid = lambda tokens: tokens[:, 1:].unflatten(1, (4, 4)).movedim(-1, 1)  # noqa: E731
+    expected = hand_gradcam(on_grid(kept["A"]), on_grid(gradients))
+    torch.testing.assert_close(result.layer_maps, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(result.scores, score.detach(), rtol=1e-5, atol=0)
+
+
+def test_the_default_layer_of_a_unit_is_the_last_map_before_its_layer():
+    import torchvision
+
+    resnet = torchvision.models.resnet18().eval()
+    inputs = torch.zeros(1, 3, 64, 64)
+    assert default_target_layer(resnet, inputs, before="layer3") == "layer2"
+    assert default_target_layer(resnet, inputs, before="layer1.0.conv2") == "layer1.0.relu"
+    vit = tiny_vit()
+    block = "encoder.layers.encoder_layer_1"
+    assert default_target_layer(vit, torch.zeros(1, 3, 32, 32), before=block) == (
+        "encoder.layers.encoder_layer_0"
+    )
+    with pytest.raises(CamvizError, match="could not find a layer with a spatial output before"):
+        default_target_layer(resnet, inputs, before="conv1")
+
+
+def test_methods_that_score_re_runs_and_a_moved_neuron_are_refused_in_one_line():
+    model = conv_net(4, 6, classes=3)
+    inputs = torch.rand(1, 3, 16, 16)
+    with pytest.raises(CamvizError, match="scores re-runs of the model on perturbed copies"):
+        camviz.explain(model, inputs, method="scorecam", layer="1", target=Unit("2", channel=0))
+    with pytest.raises(CamvizError, match="aug_smooth cannot explain a Unit neuron"):
+        camviz.explain(
+            model, inputs, layer="1", target=Unit("2", neuron=(0, 1, 1)), aug_smooth=True
+        )
 
 
 # Units --------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from PIL import Image
 
 import camviz
 from camviz.cli import main
-from camviz.core.unit import Unit
+from camviz.core.targets.unit import Unit
 from camviz.io.images import load_image
 from camviz.io.models import load
 from camviz.io.output import save

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from camviz.cams.base import LayerData
-from camviz.cams.layout import Layout, layout_of, patch_size
 from camviz.core.errors import CamvizError
+from camviz.core.grids import Layout, layout_of, patch_size
 from camviz.core.hooks import detach_to
 from camviz.core.inputs import Inputs
 from camviz.core.layerkinds import CallLog, Kind, record_calls
@@ -331,7 +331,7 @@ def layer_data(
 ) -> list[LayerData]:
     """What a method gets for layer ``name`` of a recorded pass: one :class:`LayerData` per
     rank, activations and gradients in their ``(N, C, *grid)`` view (``kind``: the layout
-    kind when known, see :mod:`camviz.cams.layout`).
+    kind when known, see :mod:`camviz.core.grids`).
 
     Raises:
         CamvizError: The layer folds windows or heads into the batch, or its layout is unclear.

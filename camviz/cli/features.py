@@ -63,9 +63,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from camviz.cams.layout import as_spatial, patch_size
     from camviz.cli.options import load_model
     from camviz.cli.text import echo
+    from camviz.core.grids import as_spatial, patch_size
     from camviz.core.layerkinds import module_kind
     from camviz.debug.extraction import features
     from camviz.io.images import load_image

@@ -9,7 +9,7 @@ from camviz.cli.options import add_model_options
 from camviz.cli.text import printable
 
 if TYPE_CHECKING:
-    from camviz.core.unit import Unit
+    from camviz.core.targets.unit import Unit
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
     from camviz.cli.options import load_model, model_device_option
     from camviz.core.errors import CamvizError
-    from camviz.core.unit import parse_unit
+    from camviz.core.targets.unit import parse_unit
     from camviz.io.output import save
     from camviz.pipeline import distributed
     from camviz.units.visualize import visualize_unit

@@ -19,7 +19,7 @@ from torch import nn
 
 from camviz.cams.engine import explain
 from camviz.core.layers import default_target_layer
-from camviz.core.unit import Unit
+from camviz.core.targets.unit import Unit
 from camviz.io.pictures import overlay
 from camviz.units.fields import ReceptiveField
 from camviz.units.heaps import Example

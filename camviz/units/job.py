@@ -39,7 +39,7 @@ from PIL import Image
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import model_device
 from camviz.core.modelstate import eval_mode, exclusive
-from camviz.core.unit import Unit, parse_channels
+from camviz.core.targets.unit import Unit, parse_channels
 from camviz.io.atomic import atomic_write
 from camviz.io.images import load_image
 from camviz.io.models import LoadedModel

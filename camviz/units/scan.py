@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from camviz.core.errors import CamvizError, first_line
 from camviz.core.inputs import model_device
 from camviz.core.modelstate import eval_mode, exclusive
-from camviz.core.unit import Unit, as_units
+from camviz.core.targets.unit import Unit, as_units
 from camviz.io.images import PathLike, Preprocess
 from camviz.io.models import LoadedModel
 from camviz.pipeline.dataset import ItemDataset

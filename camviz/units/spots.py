@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from camviz.cams.layout import as_spatial, patch_size
 from camviz.core.errors import CamvizError
+from camviz.core.grids import as_spatial, patch_size
 from camviz.core.layerkinds import module_kind
 from camviz.core.taps import edit_spots, parse
 

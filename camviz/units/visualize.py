@@ -38,7 +38,7 @@ from camviz.core.inputs import model_device
 from camviz.core.layers import default_target_layer
 from camviz.core.modelstate import eval_mode, exclusive
 from camviz.core.targets import as_logits
-from camviz.core.unit import Unit, as_units
+from camviz.core.targets.unit import Unit, as_units
 from camviz.io.models import LoadedModel
 from camviz.units.spots import outputs_at, spatial_view
 

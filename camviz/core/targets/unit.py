@@ -1,38 +1,66 @@
-"""Units inside a model as targets: a channel, a neuron or a direction of one layer.
+"""Units inside a model as targets: a channel, a neuron or a direction of one layer spot.
 
-A :class:`Unit` asks the pass to record its layer spot and scores what the unit does there:
+A :class:`Unit` asks the pass to record its layer spot (:attr:`TargetObject.spots`) and
+scores what the unit does there, on the tensor the rest of the network got:
 
-* ``channel=c`` (or a list: one score, and one map, per channel, in the order given): the
-  channel's mean over the layer's grid, ``y = mean_ij A[c, i, j]``;
+* ``channel=c`` (or a list: one score, and one map, per channel, in the order given, like
+  the ranks of ``"top3"``): the channel's mean over the layer's grid,
+  ``y = mean_ij A[c, i, j]``;
 * ``neuron=(c, i, j)``: one location of the grid, ``y = A[c, i, j]``;
-* ``direction=v``: a vector in channel space (a concept of
-  :func:`camviz.factorize`, a probe's weights), ``y = mean_ij sum_c v_c A[c, i, j]``.
+* ``direction=v``: a vector in channel space (a concept of :func:`camviz.factorize`, a
+  probe's weights), ``y = mean_ij sum_c v_c A[c, i, j]``.
 
 A token layer (a vision transformer's ``(N, T, C)``) is read on its patch tokens only: the
 class, distillation and register tokens are left out, and a neuron's ``(c, row, col)`` is a
-patch of the grid. Any method explains a unit at any layer before the unit's.
+patch of the grid (:mod:`camviz.core.grids` lays the tokens out). Every method that takes
+its scores from the explaining pass explains a unit at any layer before the unit's
+(:func:`camviz.core.layers.default_target_layer` with ``before=`` finds the last one).
+Methods that score re-runs of the model on perturbed copies (Score-CAM, Ablation-CAM, the
+faithfulness metrics) would need the unit's layer recorded in those passes too; they are
+refused in one line rather than handed the plain pass's scores.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from camviz.core.errors import CamvizError
+from camviz.core.grids import layout_of, patch_size
+from camviz.core.layerkinds import Kind, module_kind
 from camviz.core.taps import parse
+from camviz.core.targets.protocol import Change, Context, Resolved, TargetObject
+
+if TYPE_CHECKING:
+    from camviz.core.inputs import Inputs
 
 __all__ = ["Unit", "as_units", "parse_channels", "parse_unit"]
 
 
-@dataclass(frozen=True, eq=False)
-class Unit:
-    """One unit (or several channels) of a layer, as a target and as what a scan ranks.
+@dataclass(frozen=True)
+class _Reading:
+    """How a unit's layer lays out its output for one model and input size."""
 
+    kind: Kind | None
+    input_size: tuple[int, ...]
+    patch: tuple[int, ...] | None
+
+
+@dataclass(frozen=True, eq=False)
+class Unit(TargetObject):
+    """One unit (or several channels) of a layer spot: a target (see the module docstring),
+    and what :func:`camviz.top_examples` ranks and :func:`camviz.visualize_unit` draws.
     Give exactly one of ``channel``, ``neuron`` and ``direction``.
+
+    Example:
+        >>> camviz.explain(model, x, layer="layer3", target=camviz.Unit("layer4", channel=7))
 
     Attributes:
         layer: The layer spot the unit belongs to (``"layer3.1"``, ``"model.22:input"``).
@@ -47,6 +75,7 @@ class Unit:
     neuron: Sequence[int] | None = None
     direction: torch.Tensor | Sequence[float] | None = None
     channels: tuple[int, ...] = field(init=False, repr=False)
+    reading: _Reading | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         given = [self.channel is not None, self.neuron is not None, self.direction is not None]
@@ -86,6 +115,63 @@ class Unit:
         return channels
 
     @property
+    def spots(self) -> tuple[str, ...]:  # type: ignore[override]
+        """The unit's layer spot, recorded in the pass for :meth:`resolve`."""
+        return (self.layer,)
+
+    @property
+    def cannot_move(self) -> str | None:  # type: ignore[override]
+        """A neuron is one place of the grid, which a rescaled or flipped input moves."""
+        if self.neuron is None:
+            return None
+        return (
+            "aug_smooth cannot explain a Unit neuron (its grid location would move with the "
+            "augmented input); explain the channel, or without aug_smooth"
+        )
+
+    def prepare(self, model: nn.Module, inputs: Inputs) -> Unit:
+        """This unit, knowing how its layer lays out its output for these inputs."""
+        name = parse(self.layer).name
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise CamvizError(f"no layer named {name!r} in the model") from None
+        reading = _Reading(module_kind(module), tuple(inputs.main.shape[2:]), patch_size(model))
+        return dataclasses.replace(self, reading=reading)
+
+    def resolve(self, output: Any, context: Context) -> Resolved:
+        """One score function per rank, from the unit's layer in this pass."""
+        if self.layer not in context.spots:
+            raise CamvizError(
+                f"layer {self.layer!r} did not run in the forward pass; pick a layer that the "
+                "model uses (`camviz layers` lists them with shapes)"
+            )
+        scores = self.scores(self.view(context.spots[self.layer]))
+        return Resolved(tuple(_PassScore(scores[:, rank], output) for rank in range(self.ranks)))
+
+    def follow(self, change: Change) -> Unit:
+        """The unit of an augmented pass: the same unit, read at the new input size."""
+        if change.moves and self.cannot_move is not None:
+            raise CamvizError(self.cannot_move)
+        if self.reading is None or not change.factors:
+            return self
+        size = tuple(
+            max(1, round(extent * factor))
+            for extent, factor in zip(self.reading.input_size, change.factors, strict=True)
+        )
+        return dataclasses.replace(self, reading=dataclasses.replace(self.reading, input_size=size))
+
+    def view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The ``(N, C, *grid)`` view of the unit layer's output (tokens: the patches)."""
+        reading = self.reading
+        if reading is None:
+            return layout_of(tensor.shape, self.layer).to_spatial(tensor)
+        layout = layout_of(
+            tensor.shape, self.layer, reading.input_size, reading.patch, reading.kind
+        )
+        return layout.to_spatial(tensor)
+
+    @property
     def ranks(self) -> int:
         """How many scores (and maps) the unit gives per image: one per channel."""
         return len(self.channels) if self.neuron is None and self.channel is not None else 1
@@ -103,7 +189,9 @@ class Unit:
         """One unit per rank: a unit of several channels as single-channel units."""
         if self.ranks == 1:
             return [self]
-        return [Unit(self.layer, channel=channel) for channel in self.channels]
+        return [
+            Unit(self.layer, channel=channel, reading=self.reading) for channel in self.channels
+        ]
 
     def maps(self, spatial: torch.Tensor) -> torch.Tensor:
         """``(N, K, *grid)``: what each of the unit's ``K`` ranks is at every location of a
@@ -142,6 +230,25 @@ class Unit:
             )
         at: tuple[slice | int, ...] = (slice(None), slice(None), *index)
         return maps[at]
+
+
+@dataclass(frozen=True, eq=False)
+class _PassScore:
+    """A unit's scores in the pass it was resolved on. A re-run of the model on perturbed
+    copies gives another output, whose unit layer this pass did not record: scoring it with
+    the plain pass's values would be silently wrong, so it is refused."""
+
+    values: torch.Tensor
+    output: Any
+
+    def __call__(self, output: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
+        if output is not self.output:
+            raise CamvizError(
+                "a Unit is scored from its layer in the explaining pass, and this method "
+                "scores re-runs of the model on perturbed copies; explain the unit with a "
+                "gradient method (gradcam, gradcampp, layercam, ...)"
+            )
+        return self.values if rows is None else self.values[rows.to(self.values.device)]
 
 
 def as_units(value: object, what: str = "units") -> list[Unit]:
