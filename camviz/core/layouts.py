@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from camviz.core.errors import CamvizError
-from camviz.core.layerkinds import CallLog, Kind, module_kind
-from camviz.core.taps import parse
+from camviz.core.inputs import Inputs
+from camviz.core.layerkinds import CallLog, Kind, module_kind, record_calls
+from camviz.core.modelstate import eval_mode
+from camviz.core.taps import edit_spots, parse
 
 # What layout= accepts: the three kinds, and the usual spellings of the first two.
 LAYOUT_NAMES: dict[str, Kind] = {
@@ -155,3 +157,29 @@ class SpotKinds:
         if kind is not None:
             _kind_cache.setdefault(self.model, {})[(name, self.input_dims)] = kind
         return kind
+
+
+def spot_kind(model: nn.Module, spot: str, inputs: Inputs) -> Kind | None:
+    """The layout kind of ``spot``'s tensor for inputs like ``inputs``, for code that reads a
+    spot outside the engine's pass (a :class:`~camviz.Unit`'s layer): known without a pass
+    (:meth:`SpotKinds.known`), else told from one dry pass on the first sample, which is
+    remembered for the model like the engine's; ``None`` when nothing tells."""
+    kinds = SpotKinds(model, inputs.main.dim())
+    known = kinds.known(spot)
+    if known is not None or not inputs.size:
+        return known
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        seen.setdefault(spot, tensor)
+        return tensor
+
+    first = torch.zeros(1, dtype=torch.long, device=inputs.main.device)
+    with (
+        record_calls(model) as log,
+        edit_spots(model, {spot: keep}),
+        eval_mode(model),
+        torch.inference_mode(),
+    ):
+        inputs.replaced({}, first)(model)
+    return kinds.told(spot, log, seen) if spot in seen else None

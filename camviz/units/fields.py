@@ -268,6 +268,9 @@ def _measured(model: nn.Module, probe: torch.Tensor, layer: str) -> ReceptiveFie
         except (RuntimeError, ValueError, AssertionError, CamvizError):
             pass  # the model takes this size only: the field is the whole input
     size = tuple(probe.shape[2:])
+    extents = [
+        extent if step else whole for extent, step, whole in zip(extents, steps, size, strict=True)
+    ]
     return ReceptiveField(tuple(extents), tuple(steps), tuple(starts), grid, size, "measured")
 
 
@@ -280,7 +283,7 @@ def _measure(
     size = tuple(probe.shape[2:])
     with torch.enable_grad():
         tensors, _ = outputs_at(model, pixels, [layer])
-        grid_view = spatial_view(model, layer, tensors[layer], size)
+        grid_view = spatial_view(model, layer, tensors[layer], probe)
         grid = tuple(grid_view.shape[2:])
         centre = tuple(extent // 2 for extent in grid)
         bounds = _support(grid_view, pixels, centre, layer)

@@ -137,6 +137,7 @@ def scan_units(
         manifest.check_settings(out, settings)
         if context.is_main and manifest.read_summary(out) is None:  # before the first row
             manifest.write_summary(out, {"settings": settings, "complete": False})
+        drawn_before = _channel_entries(out)  # read before rank 0 writes the new results
         distributed.barrier(context)
         heaps = _scan(out, items, loaded, job, context, batch_size, workers, progress)
         distributed.barrier(context)
@@ -144,7 +145,7 @@ def scan_units(
             _write_results(out, items, loaded, job, heaps)
         distributed.barrier(context)
         results = json.loads((out / RESULTS).read_text(encoding="utf-8"))
-        _draw(out, loaded, job, results, context)
+        _draw(out, loaded, job, results, drawn_before, context)
         distributed.barrier(context)
         if context.is_main:
             _finish(out, items, results)
@@ -162,7 +163,7 @@ def _channel_count(loaded: LoadedModel, items: Sequence[Item], layer: str) -> in
         inputs = inputs.to(model_device(loaded.model))
         with exclusive(loaded.model), eval_mode(loaded.model), torch.inference_mode():
             tensors, _ = outputs_at(loaded.model, inputs, [layer])
-        return spatial_view(loaded.model, layer, tensors[layer], inputs.shape[2:]).shape[1]
+        return spatial_view(loaded.model, layer, tensors[layer], inputs).shape[1]
     raise CamvizError("none of the inputs can be read as an image")
 
 
@@ -320,17 +321,31 @@ def _image_name(channel: int) -> str:
     return f"channel_{channel:04d}.png"
 
 
+def _channel_entries(out: Path) -> list[dict[str, Any]]:
+    """The channels of an earlier run's ``units.json`` (their pictures may be kept)."""
+    try:
+        entries = json.loads((out / RESULTS).read_text(encoding="utf-8")).get("channels")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return entries if isinstance(entries, list) else []
+
+
 def _draw(
     out: Path,
     loaded: LoadedModel,
     job: UnitJob,
     results: dict[str, Any],
+    drawn_before: list[dict[str, Any]],
     context: distributed.Context,
 ) -> None:
     """This process's share of the channel pictures (channel ``i`` goes to rank
-    ``i mod world_size``)."""
+    ``i mod world_size``); a picture an earlier run drew of the same top images is kept."""
     field = ReceptiveField.from_dict(results["receptive_field"])
-    own = results["channels"][context.rank :: context.world_size]
+    own = [
+        entry
+        for entry in results["channels"][context.rank :: context.world_size]
+        if entry not in drawn_before or not (out / entry["image"]).is_file()
+    ]
     tops = [
         UnitExamples(
             Unit(job.layer, channel=entry["channel"]),

@@ -171,8 +171,7 @@ class UnitScan:
         """``(B, U)`` statistics and ``(B, U, D)`` grid locations of every unit."""
         with exclusive(self.model), eval_mode(self.model), torch.inference_mode():
             tensors, _ = outputs_at(self.model, batch, self._spots)
-        size = tuple(batch.shape[2:])
-        views = {spot: spatial_view(self.model, spot, tensors[spot], size) for spot in tensors}
+        views = {spot: spatial_view(self.model, spot, tensors[spot], batch) for spot in tensors}
         read = [_statistic(unit, views[unit.layer], self.statistic) for unit in self.units]
         return torch.stack([r[0] for r in read], dim=1), torch.stack([r[1] for r in read], dim=1)
 

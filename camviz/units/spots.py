@@ -11,8 +11,9 @@ from torch import nn
 
 from camviz.core.errors import CamvizError
 from camviz.core.grids import as_spatial, patch_size
-from camviz.core.layerkinds import module_kind
-from camviz.core.taps import edit_spots, parse
+from camviz.core.inputs import as_inputs
+from camviz.core.layouts import spot_kind
+from camviz.core.taps import edit_spots
 
 __all__ = ["outputs_at", "spatial_view"]
 
@@ -60,10 +61,12 @@ def outputs_at(
 
 
 def spatial_view(
-    model: nn.Module, spot: str, tensor: torch.Tensor, input_size: Sequence[int]
+    model: nn.Module, spot: str, tensor: torch.Tensor, inputs: torch.Tensor
 ) -> torch.Tensor:
-    """``tensor`` (the output or input at ``spot``) as ``(N, C, *grid)``: channels first as
-    it is, channels last moved, tokens on their patch grid without the leading tokens. The
-    layout is told from the spot's module, as the engine tells it."""
-    module = model.get_submodule(parse(spot).name)
-    return as_spatial(tensor, spot, input_size, patch_size(model), module_kind(module))
+    """``tensor`` (the output or input at ``spot`` for the batch ``inputs``) as
+    ``(N, C, *grid)``: channels first as it is, channels last moved, tokens on their patch
+    grid without the leading tokens. The layout is told as the engine tells it, from the
+    module, or from the module calls of one dry pass (:func:`camviz.core.layouts.spot_kind`).
+    """
+    kind = spot_kind(model, spot, as_inputs(inputs, model))
+    return as_spatial(tensor, spot, inputs.shape[2:], patch_size(model), kind)

@@ -205,7 +205,6 @@ class _Objective:
     ) -> None:
         self.model = model
         self.class_id = target if isinstance(target, int) else -1
-        self.size = (size, size)
         self.diversity = diversity
         self.unit = None if isinstance(target, int) else as_units(target)[0]
         self.spots: list[str] = [] if self.unit is None else [self.unit.layer]
@@ -215,7 +214,7 @@ class _Objective:
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         tensors, output = outputs_at(self.model, inputs, self.spots, finish=self.unit is None)
-        views = [spatial_view(self.model, spot, tensors[spot], self.size) for spot in self.spots]
+        views = [spatial_view(self.model, spot, tensors[spot], inputs) for spot in self.spots]
         if self.unit is not None:
             value = self.unit.scores(views[0])[:, 0].sum()
         else:

@@ -34,7 +34,8 @@ from torch import nn
 
 from camviz.core.errors import CamvizError
 from camviz.core.grids import layout_of, patch_size
-from camviz.core.layerkinds import Kind, module_kind
+from camviz.core.layerkinds import Kind
+from camviz.core.layouts import spot_kind
 from camviz.core.taps import parse
 from camviz.core.targets.protocol import Change, Context, Resolved, TargetObject
 
@@ -133,10 +134,11 @@ class Unit(TargetObject):
         """This unit, knowing how its layer lays out its output for these inputs."""
         name = parse(self.layer).name
         try:
-            module = model.get_submodule(name)
+            model.get_submodule(name)
         except AttributeError:
             raise CamvizError(f"no layer named {name!r} in the model") from None
-        reading = _Reading(module_kind(module), tuple(inputs.main.shape[2:]), patch_size(model))
+        kind = spot_kind(model, self.layer, inputs)
+        reading = _Reading(kind, tuple(inputs.main.shape[2:]), patch_size(model))
         return dataclasses.replace(self, reading=reading)
 
     def resolve(self, output: Any, context: Context) -> Resolved:
