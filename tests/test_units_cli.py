@@ -116,3 +116,20 @@ def test_features_order_weight_draws_the_channels_the_class_weighs_most(
         pixels(out / "features.3_grid.png"),
         pixels(save(channel_grid(activations, channels=4), tmp_path / "f.png")),
     )
+
+
+def test_explain_a_channel_from_the_command_line_at_the_layer_before_it(
+    cat_path, tiny_checkpoint, tmp_path
+):
+    out = tmp_path / "explained"
+    command = ["explain", str(cat_path), "--model", "resnet18", "--weights", tiny_checkpoint]
+    command += ["--target", "unit:layer2@3", "--heatmap", "npz", "--no-panel", "--out", str(out)]
+    assert main(command) == 0
+    loaded = load("resnet18", weights=tiny_checkpoint)
+    inputs = loaded.preprocess(load_image(cat_path)).unsqueeze(0)
+    expected = camviz.explain(
+        loaded.model, inputs, layer="layer1", target=Unit("layer2", channel=3)
+    )
+    (heatmap,) = out.glob("*_heatmap.npz")
+    written = np.load(heatmap)["heatmap"]
+    np.testing.assert_allclose(written, expected.heatmaps[0].numpy(), rtol=1e-5, atol=1e-6)

@@ -63,6 +63,8 @@ def _add_what_to_explain(parser: argparse.ArgumentParser) -> None:
         "--target",
         default="top1",
         help="class id, top1 (default) or topK (one map for each of the K best classes); "
+        "unit:LAYER@CHANNELS for channels of a layer (unit:layer3.1@42, unit:layer3.1@0-7: one "
+        "map each) or unit:LAYER@C,I,J for one neuron, explained at the layer before it; "
         "for segmentation and detection a class name (person) or id: the region predicted "
         "as that class (default: each image's largest class but the background), the "
         "objects of that class (default: all)",
@@ -222,11 +224,15 @@ def _settings(args: argparse.Namespace, loaded: object) -> JobSettings:
     from camviz.pipeline.settings import JobSettings, Outputs, RenderOptions
     from camviz.pipeline.tasks import TaskOptions
 
+    shared = explain_settings(args)
     target = int(args.target) if args.target.lstrip("-").isdigit() else args.target
+    if args.target.startswith("unit:"):
+        target, layer = _unit(args.target, loaded)
+        shared["layer"] = shared["layer"] or layer
     if args.similar_to is not None:
         target = _similarity(args.similar_to, loaded)
     return JobSettings(
-        **explain_settings(args),
+        **shared,
         method=args.method,
         target=target,
         render=RenderOptions(alpha=args.alpha, colormap=args.colormap),
@@ -243,6 +249,21 @@ def _settings(args: argparse.Namespace, loaded: object) -> JobSettings:
         ),
         input_size=args.input_size,
     )
+
+
+def _unit(text: str, loaded: object) -> tuple[object, str]:
+    """The Unit that ``--target unit:LAYER@CHANNELS`` names, and the layer explained without
+    ``--layer``: the last map before the unit's, found on a blank image of the model's size."""
+    import torch
+
+    from camviz.core.layers import default_target_layer
+    from camviz.core.targets import parse_unit
+
+    unit = parse_unit(text)
+    size = getattr(loaded.preprocess, "size", 224)  # type: ignore[attr-defined]
+    model = loaded.model  # type: ignore[attr-defined]
+    probe = torch.zeros(1, 3, size, size, device=next(model.parameters()).device)
+    return unit, default_target_layer(model, probe, before=unit.layer)
 
 
 def _similarity(path: str, loaded: object) -> object:

@@ -12,12 +12,16 @@ Two ways, and the result says which one it took (:attr:`ReceptiveField.how`):
       start_l = start_{l-1} - p_l * jump_{l-1}            (jump_0 = size_0 = 1, start_0 = 0)
 
   and grid location ``i`` sees input pixels ``start_L + i * jump_L`` to
-  ``start_L + i * jump_L + size_L - 1`` (Araujo, Norris & Sim, Distill 2019).
-* ``"measured"``, by gradient, for everything else (residual blocks, attention, functional
-  code): the input pixels on which the layer's centre location depends, the union over a few
-  random inputs of where ``d A[:, centre] / d x`` is not zero, moved by the grid's stride
-  for the other locations. A skip connection or an attention makes the branches' fields
-  overlap, which a chain rule cannot say.
+  ``start_L + i * jump_L + size_L - 1`` (Araujo, Norris & Sim, Distill 2019). A plain skip
+  connection added in place (``out += identity``, ResNet's blocks without a projection)
+  keeps the chain: its field lies inside the convolutions' own.
+* ``"measured"``, by gradient, for everything else (projection shortcuts, branches,
+  attention, squeeze-and-excitation, functional code): the input pixels on which the
+  layer's centre location depends, the union over a few random inputs of where
+  ``d A[:, centre] / d x`` is not zero, moved by the shift to the next location for the
+  others. A field that covers the whole input is measured again on an input twice as
+  large, so that a deep CNN on a small input is told from a global one (attention, global
+  pooling), which gets stride 0: every location sees everything.
 
 Boxes are clipped to the input: a field that reaches into the padding covers less.
 """

@@ -76,7 +76,7 @@ from camviz.core.targets.protocol import (
     TargetObject,
 )
 from camviz.core.targets.region import Region
-from camviz.core.targets.unit import Unit
+from camviz.core.targets.unit import Unit, parse_unit
 
 __all__ = [
     "CallableTarget",
@@ -102,6 +102,7 @@ __all__ = [
     "class_name",
     "is_per_sample_list",
     "nearest_classes",
+    "parse_unit",
     "probability_score",
     "row_count",
     "score_fns",
