@@ -45,6 +45,7 @@ _EXPORTS = {
     "RowTarget": "camviz.core.targets:RowTarget",
     "Similarity": "camviz.core.similarity:Similarity",
     "TopK": "camviz.core.targets:TopK",
+    "Tracker": "camviz.training.tracker:Tracker",
     "Unit": "camviz.core.targets:Unit",
     "ZeroMapWarning": "camviz.core.errors:ZeroMapWarning",
     "capture": "camviz.core.hooks:capture",
@@ -153,6 +154,7 @@ if TYPE_CHECKING:
     from camviz.pipeline.dataset import ImageResult as ImageResult
     from camviz.pipeline.dataset import explain_dataset as explain_dataset
     from camviz.pipeline.job import explain_files as explain_files
+    from camviz.training.tracker import Tracker as Tracker
     from camviz.units.scan import top_examples as top_examples
     from camviz.units.visualize import visualize_unit as visualize_unit
 

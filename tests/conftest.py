@@ -305,3 +305,27 @@ def synthetic_classifier():
         name="synthetic-cnn",
         default_layer=synthetic.TARGET_LAYER,
     )
+
+
+def tiny_cnn(seed: int = 0) -> nn.Module:
+    """A random CNN for 16 px RGB images with 3 classes, in train mode: BatchNorm (running
+    statistics), Dropout (draws from torch's generator while training) and the layer
+    ``"features.3"``, an 8-channel 8 x 8 convolution, before the head. A new model each call."""
+    from collections import OrderedDict
+
+    torch.manual_seed(seed)
+    features = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Conv2d(6, 8, 3, padding=1, stride=2),
+        nn.ReLU(),
+    )
+    layers = OrderedDict(
+        features=features,
+        dropout=nn.Dropout(0.2),
+        pool=nn.AdaptiveAvgPool2d(1),
+        flatten=nn.Flatten(),
+        head=nn.Linear(8, 3),
+    )
+    return nn.Sequential(layers).train()

@@ -20,6 +20,8 @@ ALLOWED = {
     "debug": {"core", "io", "debug"},
     "pipeline": {"core", "cams", "io", "debug", "pipeline"},
     "evaluation": {"core", "cams", "io", "debug", "evaluation"},
+    "training": {"core", "cams", "io", "pipeline", "evaluation", "training"},
+    "integrations": {"core", "cams", "training", "integrations"},
     "units": {"core", "cams", "io", "debug", "pipeline", "units"},
     "cli": {"core", "cams", "io", "debug", "pipeline", "evaluation", "units", "cli"},
 }

@@ -56,6 +56,11 @@ FACTS: dict[str, list[str]] = {
         "maps [(160, 240), (160, 240), (200, 160), (200, 160)] of images [0, 0, 1, 1]",
         "equal to the formula: True",
     ],
+    "09_training.ipynb": [
+        "the share of the map on the shape rose: True",
+        "steps explained: [0, 10, 19, 20, 30, 38]",
+        "probe 0 image logged at steps [0, 10, 19, 20, 30, 38]",
+    ],
 }
 
 
