@@ -43,11 +43,14 @@ _EXPORTS = {
     "Preprocess": "camviz.io.images:Preprocess",
     "Region": "camviz.core.targets:Region",
     "RowTarget": "camviz.core.targets:RowTarget",
+    "SetPredictions": "camviz.core.setpredictions:SetPredictions",
     "Similarity": "camviz.core.similarity:Similarity",
+    "Tokens": "camviz.core.layouts:Tokens",
     "TopK": "camviz.core.targets:TopK",
     "Tracker": "camviz.training.tracker:Tracker",
     "Unit": "camviz.core.targets:Unit",
     "ZeroMapWarning": "camviz.core.errors:ZeroMapWarning",
+    "app": "camviz.explorer.server:app",
     "capture": "camviz.core.hooks:capture",
     "channel_grid": "camviz.io.render:channel_grid",
     "compare": "camviz.evaluation.report:compare",
@@ -121,6 +124,8 @@ if TYPE_CHECKING:
     from camviz.core.errors import ZeroMapWarning as ZeroMapWarning
     from camviz.core.hooks import capture as capture
     from camviz.core.hooks import edit as edit
+    from camviz.core.layouts import Tokens as Tokens
+    from camviz.core.setpredictions import SetPredictions as SetPredictions
     from camviz.core.similarity import Similarity as Similarity
     from camviz.core.targets import Contrast as Contrast
     from camviz.core.targets import Nearest as Nearest
@@ -140,6 +145,7 @@ if TYPE_CHECKING:
     from camviz.evaluation import synthetic as synthetic
     from camviz.evaluation.report import compare as compare
     from camviz.evaluation.report import write_report as write_report
+    from camviz.explorer.server import app as app
     from camviz.io import images as images
     from camviz.io import models as models
     from camviz.io import render as render

@@ -145,3 +145,18 @@ def test_weights_that_cannot_be_downloaded_say_what_to_do(tmp_path, cat_path, ca
     assert "--weights PATH" in last_line and "efficientnet_lite0" in last_line
     assert not out.exists()
     assert not list((tmp_path / "hub").rglob("*.pth"))
+
+
+def test_layout_is_checked_as_an_argument_and_recorded(
+    tmp_path, cat_path, tiny_checkpoint, capsys, manifest_rows
+):
+    model = ["--model", "resnet18", "--weights", tiny_checkpoint]
+    with pytest.raises(SystemExit) as exited:
+        main(["explain", str(cat_path), *model, "--layout", "grid", "--out", str(tmp_path)])
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and "unknown layout 'grid'" in error and "Traceback" not in error
+    out = tmp_path / "out"
+    args = [str(cat_path), *model, "--layer", "layer4", "--layout", "channels_first"]
+    assert main(["explain", *args, "--no-panel", "--out", str(out)]) == 0
+    assert json.loads((out / "manifest.json").read_text())["settings"]["layout"] == "channels_first"
+    assert manifest_rows(out)[0]["status"] == "ok"

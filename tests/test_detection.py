@@ -278,7 +278,10 @@ def test_dense_detections_decode_threshold_and_suppress() -> None:
             ]
         ]
     )
-    (found,) = camviz.DenseDetections(score_threshold=0.25, iou_threshold=0.5)(raw)
+    # 4 anchors of 6 columns: no axis is 4 times the other, so the layout is said.
+    (found,) = camviz.DenseDetections(score_threshold=0.25, iou_threshold=0.5, channels_last=True)(
+        raw
+    )
     torch.testing.assert_close(found["scores"], torch.tensor([0.9, 0.7]))
     assert found["labels"].tolist() == [0, 1]
     torch.testing.assert_close(found["boxes"], torch.tensor([[8.0, 8, 12, 12], [8, 8, 12, 12]]))
@@ -289,7 +292,7 @@ def test_dense_detections_decode_threshold_and_suppress() -> None:
 def test_a_dense_head_is_explained_through_the_adapter() -> None:
     model = TinyDense().eval()
     images = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(6))
-    adapter = camviz.DenseDetections(score_threshold=0.0, iou_threshold=0.3)
+    adapter = camviz.DenseDetections(score_threshold=0.0, iou_threshold=0.3, channels_last=True)
     explanation = camviz.explain(
         model, images, layer="features.1", target=camviz.Detection(0, adapter=adapter)
     )

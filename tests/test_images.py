@@ -340,7 +340,15 @@ def test_shorter_keeps_the_aspect_ratio_of_a_real_photo(cat_path: Path) -> None:
     ("options", "message"),
     [
         ({"size": 0}, "size must be a positive number of pixels, not 0"),
-        ({"mean": (0.5, 0.5)}, "mean must have 3 values (R, G, B), got 2"),
+        (
+            {"mean": (0.5, 0.5)},
+            "mean must have one value for all channels or one per channel (3), got 2",
+        ),
+        (
+            {"channels": 1, "mean": (0.5,), "std": (0.2, 0.2, 0.2)},
+            "std must have one value for all channels or one per channel (1), got 3",
+        ),
+        ({"channels": 4}, "channels must be 3 (RGB) or 1 (grey), not 4"),
         ({"std": (0.2, 0.0, 0.2)}, "std values must be positive, got (0.2, 0.0, 0.2)"),
         ({"resize": "crop"}, "resize must be 'shorter', 'square' or 'none', not 'crop'"),
         (

@@ -23,7 +23,8 @@ ALLOWED = {
     "training": {"core", "cams", "io", "pipeline", "evaluation", "training"},
     "integrations": {"core", "cams", "training", "integrations"},
     "units": {"core", "cams", "io", "debug", "pipeline", "units"},
-    "cli": {"core", "cams", "io", "debug", "pipeline", "evaluation", "units", "cli"},
+    "explorer": {"core", "cams", "io", "debug", "pipeline", "evaluation", "explorer"},
+    "cli": {"core", "cams", "io", "debug", "pipeline", "evaluation", "explorer", "units", "cli"},
 }
 
 

@@ -384,9 +384,10 @@ class TinyDetector(nn.Module):
 
 def test_the_generic_rule_runs_a_detector_on_the_first_image():
     """The dry run hands the model a 4-D batch of one image and reads list-of-dict outputs;
-    the last spatial layer is the score map (a user-built detector names its layer)."""
+    the last spatial layer is the score map, which is the output reshaped, so the default
+    is the layer before it (a user-built detector names its layer)."""
     model = TinyDetector().eval()
-    assert default_target_layer(model, torch.rand(3, 3, 8, 8)) == "scores"
+    assert default_target_layer(model, torch.rand(3, 3, 8, 8)) == "features"
     result = camviz.explain(
         model, torch.rand(3, 3, 8, 8), layer="features", target=top_scores, relu=False
     )
@@ -430,6 +431,7 @@ def test_a_default_multi_level_layer_without_any_gradient_is_an_error():
         "all maps are zero: the explained score does not depend on the default layer "
         "'backbone[out]', 'backbone[aux]' at any location"
     )
+    assert "class token" not in str(error.value)  # feature maps: no transformer hint
     named = camviz.explain(
         model, inputs, layer="backbone", target=lambda out: out["out"].sum(dim=(1, 2, 3))
     )

@@ -124,7 +124,7 @@ def test_every_subcommand_that_runs_a_model_takes_precision_and_channels_last():
         for name, sub in _subcommands().items()
     }
     running = {name for name, flags in options.items() if "--model" in flags}
-    assert running == {"explain", "compare", "features", "inspect", "layers"}
+    assert running == {"explain", "compare", "features", "inspect", "layers", "app"}
     for name in running:
         assert {"--precision", "--channels-last"} <= options[name], name
 

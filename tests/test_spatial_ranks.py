@@ -249,5 +249,7 @@ class ClassTokenHead(nn.Module):
 
 def test_a_default_layer_with_all_zero_maps_is_reported_in_one_line(untouched):
     model = ClassTokenHead().eval()
-    with untouched(model), pytest.raises(CamvizError, match="does not depend on the default layer"):
+    with untouched(model), pytest.raises(CamvizError, match="score does not depend on any layer"):
         camviz.explain(model, torch.randn(2, 3, 32, 32))
+    with pytest.raises(CamvizError, match="a head that reads only a class token"):
+        camviz.explain(model, torch.randn(2, 3, 32, 32))  # tokens: the class-token hint

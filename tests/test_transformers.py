@@ -16,8 +16,9 @@ from torchvision.models.vision_transformer import VisionTransformer
 
 import camviz
 from camviz.core.errors import CamvizError
-from camviz.core.grids import Layout, as_spatial, layout_of, patch_size
+from camviz.core.grids import Layout, NoPatchGridError, as_spatial, layout_of, patch_size
 from camviz.core.layers import default_target_layer
+from camviz.core.lineage import TokenGrid
 
 
 def _timm_vit() -> nn.Module:
@@ -125,12 +126,15 @@ def test_token_and_channels_last_outputs_become_the_grid_of_a_manual_reshape(cas
     output = layer_output(model, inputs, layer)
     stride = 16 if prefix is not None else inputs.shape[-1] // output.shape[2]
     expected = manual_grid(output, prefix, inputs.shape[-2:], stride)
-    grid = as_spatial(output, layer, inputs.shape[-2:], patch_size(model))
-    assert torch.equal(grid, expected)
-    # Without the patch-size hint the grid is found from the input size alone, once the
-    # producing module has said that the output is tokens.
+    # layout="tokens": the grid inferred from the token count (with or without the
+    # patch-size hint); channels-last maps are told from their shape.
     kind = "tokens" if prefix is not None else None
+    grid = as_spatial(output, layer, inputs.shape[-2:], patch_size(model), kind=kind)
+    assert torch.equal(grid, expected)
     assert torch.equal(as_spatial(output, layer, inputs.shape[-2:], kind=kind), expected)
+    # What camviz does unasked: the pass shows where the patches are.
+    explained = camviz.explain(model, inputs, layer=layer, target=3, relu=False, normalize=False)
+    assert explained.layer_maps.shape[1:] == expected.shape[2:]
 
 
 def test_default_layer_is_the_last_attention_input_or_the_last_spatial_map(case):
@@ -209,7 +213,7 @@ def test_perturbation_methods_leave_transformers_untouched(method, untouched):
 # Layout rules on shapes alone ---------------------------------------------------------------
 
 
-FIRST, LAST = "channels_first", "channels_last"
+FIRST, LAST, TOKENS = "channels_first", "channels_last", "tokens"
 
 
 @pytest.mark.parametrize(
@@ -221,22 +225,30 @@ FIRST, LAST = "channels_first", "channels_last"
         ((2, 8, 8, 8), (64, 64), None, FIRST, Layout(FIRST, (8, 8))),  # settled by the module
         ((2, 8, 8, 8), (64, 64), None, LAST, Layout(LAST, (8, 8))),
         ((2, 3, 6, 8), (96, 128), None, FIRST, Layout(FIRST, (6, 8))),
-        ((2, 197, 768), (224, 224), 16, None, Layout("tokens", (14, 14), 1)),
-        ((2, 197, 768), (224, 224), None, LAST, Layout("tokens", (14, 14), 1)),
-        ((2, 261, 384), (224, 224), 14, None, Layout("tokens", (16, 16), 5)),  # DINOv2 + 4 reg
-        ((2, 12 + 1, 192), (48, 64), 16, None, Layout("tokens", (3, 4), 1)),
-        ((2, 49, 768), (224, 224), 4, None, Layout("tokens", (7, 7), 0)),  # Swin, stride 32
-        ((2, 50, 8), None, None, None, Layout("tokens", (7, 7), 1)),
+        ((2, 197, 768), (224, 224), 16, TOKENS, Layout("tokens", (14, 14), 1)),
+        ((2, 197, 768), (224, 224), None, TOKENS, Layout("tokens", (14, 14), 1)),
+        ((2, 261, 384), (224, 224), 14, TOKENS, Layout("tokens", (16, 16), 5)),  # DINOv2 + 4 reg
+        ((2, 12 + 1, 192), (48, 64), 16, TOKENS, Layout("tokens", (3, 4), 1)),
+        ((2, 49, 768), (224, 224), 4, TOKENS, Layout("tokens", (7, 7), 0)),  # Swin, stride 32
+        ((2, 50, 8), None, None, TOKENS, Layout("tokens", (7, 7), 1)),
         # 1-D and 3-D grids: signals, volumes, clips and their transformers.
         ((2, 16, 25), (100,), None, FIRST, Layout(FIRST, (25,))),
-        ((2, 26, 16), (100,), 4, LAST, Layout("tokens", (25,), 1)),
+        ((2, 26, 16), (100,), 4, TOKENS, Layout("tokens", (25,), 1)),
         ((2, 64, 2, 7, 7), (8, 112, 112), None, FIRST, Layout(FIRST, (2, 7, 7))),
         ((2, 2, 7, 7, 64), (8, 112, 112), None, None, Layout(LAST, (2, 7, 7))),
-        ((2, 1 + 4 * 49, 96), (8, 112, 112), (2, 16, 16), LAST, Layout("tokens", (4, 7, 7), 1)),
+        ((2, 1 + 4 * 49, 96), (8, 112, 112), (2, 16, 16), TOKENS, Layout("tokens", (4, 7, 7), 1)),
     ],
 )
 def test_layouts_follow_the_producing_module_and_the_input_size(shape, size, patch, kind, expected):
+    # Token grids from the token count only under an explicit layout="tokens" (TOKENS).
     assert layout_of(shape, "layer", size, patch, kind) == expected
+
+
+def test_tokens_of_a_channels_last_module_need_the_patches_the_pass_shows():
+    with pytest.raises(NoPatchGridError, match=r"197 tokens that come from no patch embedding"):
+        layout_of((2, 197, 768), "blocks.11.norm1", (224, 224), 16, LAST)
+    told = layout_of((2, 197, 768), "blocks.11.norm1", (224, 224), 16, LAST, TokenGrid(1, (14, 14)))
+    assert told == Layout("tokens", (14, 14), 1)
 
 
 @pytest.mark.parametrize(
@@ -256,7 +268,7 @@ def test_outputs_that_are_not_maps_or_token_grids_are_refused():
     with pytest.raises(CamvizError, match=r"outputs shape \(2, 10\), not a feature map"):
         layout_of((2, 10), "fc", (64, 64))
     with pytest.raises(CamvizError, match="do not form a patch grid"):
-        layout_of((2, 3, 8), "odd", (64, 64), 16)
+        layout_of((2, 3, 8), "odd", (64, 64), 16, "tokens")
 
 
 def test_a_layer_that_folds_windows_into_the_batch_is_refused():

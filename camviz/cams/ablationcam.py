@@ -13,6 +13,7 @@ from camviz.cams.base import LayerData
 from camviz.cams.perturbation import PerturbationMethod, rank_scores
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
+from camviz.core.modelstate import no_grad
 from camviz.core.taps import edit_spots
 
 # What a failed broadcast run looks like: shape errors from the layers after the target,
@@ -88,7 +89,7 @@ class AblationCAM(PerturbationMethod):
     reduced_precision = False
 
     def rank_weights(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
-        with torch.inference_mode():
+        with no_grad():
             ablated = self.ablated_scores(ranks)
         weights = []
         for data, scores in zip(ranks, ablated, strict=True):

@@ -21,6 +21,7 @@ of the model run in parallel.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,13 +32,15 @@ from torch import nn
 from camviz.cams.augmentation import Augmentation, aug_scales
 from camviz.cams.base import CamMethod, ChannelWeighted, InputMapMethod
 from camviz.cams.finishing import Finished, Finishing, Fuse, Maps, RawMaps
+from camviz.cams.layout import NoPatchGridError
 from camviz.cams.recording import LayerPass, layer_data, layer_pass, spot_layout
 from camviz.cams.registry import create
 from camviz.core.errors import CamvizError, NonFiniteError
 from camviz.core.finite import first_nonfinite_layer, is_finite
 from camviz.core.inputs import Inputs, Key, as_inputs
 from camviz.core.layerkinds import Kind
-from camviz.core.layers import Layer, default_target_layer
+from camviz.core.layers import Layer, default_target_layer, patch_token_layers
+from camviz.core.layouts import Layout as LayoutGiven
 from camviz.core.layouts import SpotKinds
 from camviz.core.modelstate import eval_mode, exclusive, uncompiled
 from camviz.core.precision import Precision, check_precision, forward_precision
@@ -85,6 +88,9 @@ class Explanation:
         boxes: For a :class:`~camviz.core.detection.Detection` target, ``(M, 4)`` the box
             of each explained detection (``x0, y0, x1, y1`` in the input's pixels);
             ``None`` for other targets.
+        reasons: Per input, why its target found nothing to explain there (its maps are
+            then zero), from :attr:`camviz.core.targets.Resolved.reasons`; ``None`` when
+            every input had something.
     """
 
     heatmaps: Maps
@@ -99,6 +105,7 @@ class Explanation:
     weights: dict[str, torch.Tensor] | None = None
     maps_by_input: dict[Key, Maps] | None = None
     boxes: torch.Tensor | None = None
+    reasons: tuple[str | None, ...] | None = None
 
 
 def explain(
@@ -114,7 +121,7 @@ def explain(
     precision: Precision = "fp32",
     channels_last: bool = False,
     at: At = "output",
-    layout: str | Mapping[str, str] | None = None,
+    layout: LayoutGiven | Mapping[str, LayoutGiven] | None = None,
     map_input: Key | None = None,
     relu: bool = True,
     normalize: bool = True,
@@ -123,9 +130,10 @@ def explain(
     """Explain a batch with a CAM method.
 
     Args:
-        model: Any ``nn.Module``; ``DataParallel``, ``DistributedDataParallel`` and
-            ``torch.compile`` wrappers are looked through (layer names are the inner
-            module's). Used in eval mode, and handed back exactly as it came.
+        model: Any ``nn.Module``; ``DataParallel``, ``DistributedDataParallel``,
+            ``torch.compile`` and Ultralytics ``YOLO(...)`` wrappers are looked through
+            (layer names are the inner module's). Used in eval mode, and handed back exactly
+            as it came.
         inputs: The preprocessed batch on the model's device: ``(N, C, L)``, ``(N, C, H, W)``
             or ``(N, C, D, H, W)`` (one ``(C, H, W)`` image for a 2-D image model), a tuple
             passed positionally or a dict passed as keywords (:mod:`camviz.core.inputs`); for
@@ -151,8 +159,10 @@ def explain(
             autocast, maps stay float32 (:mod:`camviz.core.precision`).
         channels_last: Hand the model a channels-last copy of its input.
         at: ``"output"`` explains each layer's output; ``"input"`` its first positional input.
-        layout: ``"channels_first"``, ``"channels_last"`` or ``"tokens"``, for all layers or
-            as ``{layer: layout}``, where the module cannot tell (:mod:`camviz.core.layouts`).
+        layout: ``"channels_first"``, ``"channels_last"``, ``"tokens"`` (the grid inferred
+            from the token count) or ``camviz.Tokens(patches=slice(1, 197), grid=(14, 14))``
+            (where the patch tokens are), for all layers or as ``{layer: layout}``, where the
+            pass cannot tell (:mod:`camviz.core.layouts`).
         map_input: Which input the heatmap is laid on: a position or key (default: the first).
         relu: Apply the ReLU of the CAM formulas; ``False`` keeps signed maps.
         normalize: Normalise each map (min-max after ReLU, else by its largest absolute
@@ -178,12 +188,16 @@ def explain(
     device = batch.main.device
     dtype = check_precision(precision, device, used=cam.reduced_precision)
     with exclusive(model), eval_mode(model), forward_precision(model, dtype, channels_last, device):
-        passes = _Passes.of(cam, model, batch, layer, at, layout, output_key)
         chosen = chosen.prepare(model, batch)
+        passes = _Passes.of(cam, model, batch, layer, at, layout, output_key, chosen)
         recorded = passes.first(batch, chosen)
         _check_finite(model, batch, recorded)
         passes = passes.spots_of(recorded)
-        raw = passes.raw_maps(batch, recorded)
+        try:
+            raw = passes.raw_maps(batch, recorded)
+        except NoPatchGridError as error:  # name the layers whose tokens are patches
+            patches = patch_token_layers(model, batch)
+            raise NoPatchGridError(error.layer, error.count, patches) from None
         if layer is None:
             _check_default_layer(passes, batch, raw, recorded, chosen)
         finished = finishing.layers(cam, raw.at_layer, recorded.placement, _samples(recorded))
@@ -191,12 +205,14 @@ def explain(
             augmentation = Augmentation(scales, finishing, cam.input_resolution)
             finished = augmentation.smoothed(passes, batch, chosen, recorded.resolved, finished)
     heatmaps = finishing.heatmaps(list(finished.on_input.values()), batch, _samples(recorded))
-    finishing.warn_of_empty_maps(cam.name, heatmaps, passes.layers)
+    finishing.warn_of_empty_maps(cam.name, heatmaps, passes.layers, _independent(recorded))
     return _explanation(cam, batch, recorded, raw, finished, finishing, heatmaps)
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
-    """The model inside a ``DataParallel``/``DDP`` wrapper; models without hooks refused."""
+    """The model inside a ``DataParallel``/``DDP`` wrapper or an Ultralytics ``YOLO(...)``
+    (whose predictor runs a deep copy of its ``.model``, so hooks on the wrapper would never
+    fire); models without hooks refused."""
     if isinstance(model, torch.jit.ScriptModule):
         raise CamvizError(
             "a TorchScript model has no forward hooks, which camviz needs; explain the "
@@ -209,6 +225,16 @@ def _unwrapped(model: nn.Module) -> nn.Module:
         )
     while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         model = model.module
+    # Looked up, not imported: a model of that class means Ultralytics is imported already.
+    ultralytics = sys.modules.get("ultralytics.engine.model")
+    inner = getattr(model, "model", None)
+    if ultralytics is not None and isinstance(model, ultralytics.Model):
+        if not isinstance(inner, nn.Module):
+            raise CamvizError(
+                "this Ultralytics model holds no network yet (.model is not a module); load "
+                "weights or a yaml first, e.g. YOLO('yolov8n.yaml')"
+            )
+        return inner
     return model
 
 
@@ -270,12 +296,15 @@ class _Passes:
         batch: Inputs,
         layer: Layer | Sequence[Layer] | None,
         at: At,
-        layout: str | Mapping[str, str] | None,
+        layout: LayoutGiven | Mapping[str, LayoutGiven] | None,
         output_key: str | int | None,
+        target: TargetObject,
     ) -> _Passes:
-        """The passes at the spots ``layer`` names (or the default layer's)."""
+        """The passes at the spots ``layer`` names (or the default layer's, for ``target``)."""
         layers = (
-            [default_target_layer(model, batch)] if layer is None else spot_keys(model, layer, at)
+            [default_target_layer(model, batch, target, output_key)]
+            if layer is None
+            else spot_keys(model, layer, at)
         )
         return cls(
             cam, model, layers, SpotKinds.of(model, batch.main.dim(), layers, layout), output_key
@@ -317,7 +346,9 @@ class _Passes:
         )
         by_input = None
         for name in recorded.activations:
-            ranks = layer_data(self.model, batch, recorded, name, self.told.get(name))
+            ranks = layer_data(
+                self.model, batch, recorded, name, self.told.get(name), self.kinds.tokens.get(name)
+            )
             activations = ranks[0].activations
             if not batch.size:  # an empty batch: no maps, and nothing for a method to do
                 maps_by_layer[name] = activations.new_zeros(0, *activations.shape[2:])
@@ -370,17 +401,38 @@ def _check_default_layer(
             ).gradients
         except CamvizError:  # no autograd path from the layer to the score
             gradients = {}
+    tokens = False
     for name, per_rank in gradients.items():
         activations = recorded.activations[name]
-        layout = spot_layout(name, activations, batch.main, passes.model, passes.told.get(name))
+        layout = spot_layout(
+            name,
+            activations,
+            batch.main,
+            passes.model,
+            passes.told.get(name),
+            passes.kinds.tokens.get(name) or recorded.tokens.get(name),
+        )
         if any(bool(layout.to_spatial(values).any()) for values in per_rank):
             return  # the score depends on the layer: the maps say "no positive evidence"
+        tokens = tokens or layout.kind == "tokens"
     listed = ", ".join(repr(name) for name in names)
+    hint = (
+        " (a head that reads only a class token after it?); pass layer=NAME, e.g. the norm "
+        "before the last attention"
+        if tokens
+        else "; pass layer=NAME, a layer the score reads"
+    )
     raise CamvizError(
         f"all maps are zero: the explained score does not depend on the default layer {listed} "
-        "at any location (a head that reads only a class token after it?); pass layer=NAME, "
-        "e.g. the norm before the last attention (`camviz layers` lists them)"
+        f"at any location{hint} (`camviz layers` lists them)"
     )
+
+
+def _independent(recorded: LayerPass) -> bool:
+    """Whether the explained score does not depend on the target spots at all: every gradient
+    the pass took is exactly zero (``False`` when it took none)."""
+    gradients = [values for per_rank in recorded.gradients.values() for values in per_rank]
+    return bool(gradients) and not any(bool(values.any()) for values in gradients)
 
 
 def _check_finite(model: nn.Module, batch: Inputs, recorded: LayerPass) -> None:
@@ -453,4 +505,5 @@ def _explanation(
             }
         ),
         boxes=None if boxes is None else boxes.reshape(-1, 4).cpu(),
+        reasons=recorded.resolved.reasons,
     )

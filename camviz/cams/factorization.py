@@ -30,8 +30,9 @@ from camviz.core.hooks import capture
 from camviz.core.inputs import as_batch
 from camviz.core.layerkinds import module_kind
 from camviz.core.layers import default_target_layer, resolve_layers
+from camviz.core.lineage import Lineage
 from camviz.core.maps import normalize
-from camviz.core.modelstate import eval_mode
+from camviz.core.modelstate import eval_mode, no_grad
 from camviz.core.placement import recording
 from camviz.core.targets import as_logits
 
@@ -136,7 +137,8 @@ def factorize(
         if len(resolved) != 1:
             raise CamvizError(f"factorize takes one layer; {layer!r} matches {len(resolved)}")
         layer = resolved[0]
-        with capture(model, layer) as seen, recording(model) as placed, torch.no_grad():
+        lineage = Lineage(inputs)  # where the patch tokens of a transformer layer are
+        with capture(model, layer) as seen, recording(model) as placed, no_grad(), lineage:
             output = model(inputs)
     raw = seen.activations[layer]
     if not isinstance(raw, torch.Tensor):  # an FPN's levels: the default of a detector
@@ -146,11 +148,12 @@ def factorize(
         )
     patch = patch_size(model) if raw.dim() == 3 else None
     # Where the channels are: as the module says, or as in the input when it passes it on.
-    kind = module_kind(model.get_submodule(layer))
+    kind = module_kind(model.get_submodule(layer), tuple(raw.shape))
     if kind is None and raw.shape == inputs.shape:
         kind = "channels_first"
-    activations = layout_of(raw.shape, layer, inputs.shape[-2:], patch, kind).to_spatial(raw)
-    activations = activations.float()
+    tokens = lineage.token_grid(raw)
+    layout = layout_of(raw.shape, layer, inputs.shape[-2:], patch, kind, tokens)
+    activations = layout.to_spatial(raw).float()
     batch, channels, height, width = activations.shape
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= channels:
         raise CamvizError(f"factorize needs 1 <= k <= {channels} (the channels), got {k!r}")

@@ -8,6 +8,7 @@ variants included. Raw maps (``normalize=False``) stay per layer: their units di
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from camviz.core.inputs import Inputs, Key, corner
 from camviz.core.maps import normalize as normalize_maps
 from camviz.core.maps import normalize_signed
 from camviz.core.placement import Placement
+from camviz.core.taps import parse
 
 Fuse = Literal["mean", "max", "product"]
 # Maps on the input: an (M, *spatial) tensor, or one (h_n, w_n) map each for a list of images.
@@ -127,20 +129,30 @@ class Finishing:
             return self.finish(maps)
         return [self.finish(crop[None])[0] for crop in _crops(maps, batch, samples)]
 
-    def warn_of_empty_maps(self, method: str, heatmaps: Maps, layers: Sequence[str]) -> None:
-        """One line when some maps are all zero after the ReLU, which a picture would show as
-        nothing."""
-        if not self.relu:
+    def warn_of_empty_maps(
+        self, method: str, heatmaps: Maps, layers: Sequence[str], independent: bool = False
+    ) -> None:
+        """One line when some maps are all zero (after the ReLU, or at all when the score
+        does not depend on the layers: ``independent``, a gradient of exactly zero), which a
+        picture would show as nothing."""
+        if not (self.relu or independent):
             return
         empty = sum(not bool(maps.any()) for maps in heatmaps)
-        if empty:
-            warnings.warn(
-                f"{method}: {empty} of {len(heatmaps)} maps are all zero: the explained score "
-                f"has no positive evidence at {', '.join(map(repr, layers))}; relu=False shows "
-                "the signed map, or pick another layer",
-                ZeroMapWarning,
-                stacklevel=3,
-            )
+        if not empty:
+            return
+        listed = ", ".join(map(repr, layers))
+        reason = (
+            f"the explained score does not depend on {listed}: its gradient is zero at every "
+            f"location{_element_hint(layers)}; pick a layer that the score reads"
+            if independent
+            else f"the explained score has no positive evidence at {listed}; relu=False shows "
+            "the signed map, or pick another layer"
+        )
+        warnings.warn(
+            f"{method}: {empty} of {len(heatmaps)} maps are all zero: {reason}",
+            ZeroMapWarning,
+            stacklevel=3,
+        )
 
     def _fused(self, maps: Sequence[torch.Tensor]) -> torch.Tensor:
         """The layers' maps at the input size, fused (normalised maps only)."""
@@ -150,6 +162,20 @@ class Finishing:
         if self.fuse == "product":
             return self.rescale(stacked.prod(0))
         return self.rescale(stacked.amax(0) if self.fuse == "max" else stacked.mean(0))
+
+
+def _element_hint(layers: Sequence[str]) -> str:
+    """For a spot that is one element of a layer's tuple or list output, which one it is and
+    another to try (Hugging Face's Swin stages give ``(hidden_states, reshaped_hidden_states,
+    ...)``, and the classifier reads only ``[0]``)."""
+    spot = parse(layers[0])
+    if not spot.path or not isinstance(spot.path[-1], int) or spot.path[-1] == 0:
+        return ""
+    other = dataclasses.replace(spot, path=(*spot.path[:-1], 0)).key
+    return (
+        f" ({layers[0]!r} is element [{spot.path[-1]}] of what {spot.name!r} gives, which "
+        f"the model may never read; try {other!r})"
+    )
 
 
 def _crops(maps: torch.Tensor, batch: Inputs, samples: torch.Tensor) -> list[torch.Tensor]:

@@ -238,8 +238,14 @@ class LeGrad(CamMethod):
 
         taps = _AttentionTaps()
         recorders = {block: partial(keep, block) for block in parts.blocks}
-        grad = torch.enable_grad()
-        with grad, edit(data.model, recorders), changed(data.model, FusedAttention()), taps:
+        # Graphs of ordinary tensors, also inside a caller's inference mode.
+        with (
+            torch.inference_mode(False),
+            torch.enable_grad(),
+            edit(data.model, recorders),
+            changed(data.model, FusedAttention()),
+            taps,
+        ):
             data.run(data.inputs)
         if len(taps.deltas) != len(parts.blocks):
             raise CamvizError(
@@ -247,17 +253,20 @@ class LeGrad(CamMethod):
                 "blocks; it needs one attention per block"
             )
         used = range(len(parts.blocks))[-self.last :] if self.last else range(len(parts.blocks))
+        # The keys of a ViT's attention: its class token and patches (the grid from the
+        # model's patch stride, as layout="tokens" asks).
         layout = layout_of(
             (1, taps.deltas[0].shape[-1], 1),
             "attention keys",
             data.inputs.shape[-2:],
             patch_size(data.model),
+            "tokens",
         )
         maps = []
         for rank in ranks:
             total = torch.zeros(())
             for index in used:
-                with torch.enable_grad():
+                with torch.inference_mode(False), torch.enable_grad():
                     score = rank.score_fn(parts.project(outputs[parts.blocks[index]])).sum()
                 (gradient,) = torch.autograd.grad(score, taps.deltas[index], retain_graph=True)
                 total = total + gradient.clamp_min(0).mean(dim=(1, 2))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,8 +32,9 @@ from camviz.core.errors import CamvizError
 from camviz.core.grids import Layout, layout_of, patch_size
 from camviz.core.hooks import detach_to
 from camviz.core.inputs import Inputs
-from camviz.core.layerkinds import CallLog, Kind, record_calls
-from camviz.core.layouts import SpotKinds
+from camviz.core.layerkinds import CallLog, Kind, module_kind, record_calls
+from camviz.core.layouts import SpotKinds, Tokens
+from camviz.core.lineage import Lineage, TokenGrid
 from camviz.core.modelstate import exclusive
 from camviz.core.placement import Placement, recording
 from camviz.core.precision import at_least_fp32
@@ -59,6 +60,8 @@ class LayerPass:
         placement: Where the layers' grids lie on the map input
             (:mod:`camviz.core.placement`).
         calls: Every module call of the pass, when asked for (to tell layouts).
+        tokens: Where the patch tokens of each spot's tensor are, when the pass was followed
+            from the map input and they are patch tokens (:mod:`camviz.core.lineage`).
     """
 
     output: Any
@@ -69,6 +72,7 @@ class LayerPass:
     hessian_products: dict[str, list[torch.Tensor]]
     placement: Placement
     calls: CallLog | None = None
+    tokens: dict[str, TokenGrid | None] = field(default_factory=dict)
 
     @property
     def score_fns(self) -> list[ScoreFn]:
@@ -89,13 +93,17 @@ class _Tap:
     ``handed`` keeps what the rest of the network got, for a target that asks for the spot.
     """
 
-    def __init__(self, name: str, open_gradient_path: bool, rank: int) -> None:
+    def __init__(
+        self, name: str, open_gradient_path: bool, rank: int, lineage: Lineage | None
+    ) -> None:
         self.name = name
         self.open_gradient_path = open_gradient_path
         self.rank = rank
+        self.lineage = lineage
         self.ran = False
         self.activations: dict[str, torch.Tensor] = {}
         self.deltas: dict[str, torch.Tensor] = {}
+        self.tokens: dict[str, TokenGrid | None] = {}
         self.handed: Any = None
 
     def __call__(self, output: Any) -> Any:
@@ -123,6 +131,8 @@ class _Tap:
 
     def _tapped(self, key: str, output: torch.Tensor) -> torch.Tensor:
         self.activations[key] = output.detach().clone()
+        if self.lineage is not None:
+            self.tokens[key] = self.lineage.token_grid(output)
         if not self.open_gradient_path:
             return output
         torch.set_grad_enabled(True)  # undone when the caller's no_grad block ends
@@ -155,6 +165,7 @@ def layer_pass(
     output_key: str | int | None = None,
     hessian: bool = False,
     record: bool = False,
+    follow: bool | None = None,
 ) -> LayerPass:
     """Run the model once and record activations (and exact gradients) at ``layers``.
 
@@ -166,13 +177,18 @@ def layer_pass(
     of its feature maps, under their element spots (the keys of
     :attr:`LayerPass.activations`); ``hessian=True`` (with ``gradients``) also records ``H A``
     at each layer (see the module docstring); ``record`` also logs every module call (for
-    layouts).
+    layouts); ``follow`` follows the pass from the map input to tell where the patch tokens
+    of each spot are (:attr:`LayerPass.tokens`; by default unless every spot is a module
+    that outputs channels-first maps).
     """
     batch = inputs if isinstance(inputs, Inputs) else Inputs((inputs,), {}, 0, len(inputs))
     chosen = as_target(target)
+    if follow is None:
+        follow = any(_may_hold_tokens(model, name) for name in layers)
+    lineage = Lineage(batch.main) if follow else None
     # A caller's inference mode would stop the graph too.
     with exclusive(model), torch.inference_mode(False):
-        taps = {name: _Tap(name, gradients, batch.main.dim() - 2) for name in layers}
+        taps = {name: _Tap(name, gradients, batch.main.dim() - 2, lineage) for name in layers}
         # Exact gradients through a detector's RoI heads for the RoIs a score uses (second
         # order would need the replay's graph twice: ShapleyCAM takes the plain path).
         shortcut = (
@@ -180,7 +196,8 @@ def layer_pass(
             if gradients and not hessian
             else None
         )
-        output, spots, placement, calls = _forward(model, batch, taps, chosen, shortcut, record)
+        with lineage if lineage is not None else nullcontext():
+            output, spots, placement, calls = _forward(model, batch, taps, chosen, shortcut, record)
         activations, deltas = _recorded(taps)
         resolved = chosen.resolve(output, Context(output_key, spots, batch.size))
         backward = _GradientPass(
@@ -196,6 +213,18 @@ def layer_pass(
         hessian_products=products,
         placement=placement,
         calls=calls,
+        tokens={key: grid for tap in taps.values() for key, grid in tap.tokens.items()},
+    )
+
+
+def _may_hold_tokens(model: nn.Module, name: str) -> bool:
+    """Whether a spot's tensor may be a token sequence: anything but a module's output that
+    is channels first by the module's nature (a convolution, batch norm or pooling)."""
+    spot = parse(name)
+    return (
+        spot.at == "input"
+        or bool(spot.path)
+        or (module_kind(model.get_submodule(spot.name)) != "channels_first")
     )
 
 
@@ -328,10 +357,12 @@ def layer_data(
     recorded: LayerPass,
     name: str,
     kind: Kind | None = None,
+    tokens: Tokens | None = None,
 ) -> list[LayerData]:
     """What a method gets for layer ``name`` of a recorded pass: one :class:`LayerData` per
     rank, activations and gradients in their ``(N, C, *grid)`` view (``kind``: the layout
-    kind when known, see :mod:`camviz.core.grids`).
+    kind when known, ``tokens``: where ``layout=`` puts the patch tokens, see
+    :mod:`camviz.core.grids`; else where the pass found them).
 
     Raises:
         CamvizError: The layer folds windows or heads into the batch, or its layout is unclear.
@@ -346,7 +377,7 @@ def layer_data(
         )
     if kind is None:  # a method's own pass: the kind the module or an earlier pass told
         kind = SpotKinds(model, batch.main.dim()).known(name)
-    layout = spot_layout(name, output, batch.main, model, kind)
+    layout = spot_layout(name, output, batch.main, model, kind, tokens or recorded.tokens.get(name))
     activations = layout.to_spatial(output)
     ranks = []
     for rank, score_fn in enumerate(recorded.score_fns):
@@ -372,11 +403,16 @@ def layer_data(
 
 
 def spot_layout(
-    name: str, output: torch.Tensor, inputs: torch.Tensor, model: nn.Module, kind: Kind | None
+    name: str,
+    output: torch.Tensor,
+    inputs: torch.Tensor,
+    model: nn.Module,
+    kind: Kind | None,
+    tokens: TokenGrid | Tokens | None = None,
 ) -> Layout:
     """The layout of a layer's output, checked to have a grid of the input's rank."""
     patch = patch_size(model) if output.dim() == 3 else None
-    layout = layout_of(output.shape, name, inputs.shape[2:], patch, kind)
+    layout = layout_of(output.shape, name, inputs.shape[2:], patch, kind, tokens)
     if len(layout.grid) != inputs.dim() - 2:
         raise CamvizError(
             f"layer {name!r} has a {len(layout.grid)}-D grid {layout.grid}, but the map input "

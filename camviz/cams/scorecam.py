@@ -15,6 +15,7 @@ from camviz.cams.perturbation import Chunks, PerturbationMethod, checked_count, 
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
 from camviz.core.maps import normalize
+from camviz.core.modelstate import no_grad
 from camviz.core.targets import probability_score, take_rows
 
 # At most this many input values per forward pass on a CPU when no batch_size is given
@@ -44,7 +45,7 @@ class ScoreCAM(PerturbationMethod):
     softmax removes, so it is never computed.
 
     Cost: one forward pass of the whole network per channel and image (the masked input
-    changes everything from the first layer on), run under ``torch.inference_mode`` in
+    changes everything from the first layer on), run under ``torch.no_grad()`` in
     chunks of masked images sized to ``memory_budget`` by what the first masked image's
     whole pass needed (:class:`~camviz.cams.perturbation.Chunks`). Exact savings taken:
 
@@ -113,7 +114,7 @@ class ScoreCAM(PerturbationMethod):
                 dataclasses.replace(data, score_fn=probability_score(data.score_fn))
                 for data in ranks
             ]
-        with torch.inference_mode():
+        with no_grad():
             weights = self.channel_scores(ranks)
         if self.weighting == "softmax":
             weights = weights.softmax(dim=-1)

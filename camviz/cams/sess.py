@@ -16,6 +16,7 @@ from camviz.cams.registry import register
 from camviz.cams.wrappers import Wrapper
 from camviz.core.errors import CamvizError
 from camviz.core.maps import normalize, upsample
+from camviz.core.modelstate import no_grad
 from camviz.core.targets import ScoreFn
 
 
@@ -210,7 +211,7 @@ class SESS(Wrapper):
     ) -> torch.Tensor:
         """``(P,)`` non-negative scores ``c_p`` of the windows."""
         scores = []
-        with torch.inference_mode():
+        with no_grad():
             for chunk, chunk_images in zip(
                 patches.split(self.batch_size), images.split(self.batch_size), strict=True
             ):

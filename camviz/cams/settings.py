@@ -41,6 +41,8 @@ class ExplainSettings:
         memory_budget: Bytes (or ``"512MiB"``) that the perturbed passes of Score-CAM,
             SS-CAM, IS-CAM and Ablation-CAM may add; other methods ignore it. ``None``: the
             methods' default.
+        layout: The ``layout=`` of :func:`camviz.explain` as text (``"channels_last"``,
+            ``"tokens[1:197]"``); ``None``: told by the pass.
     """
 
     method: str = "gradcam"
@@ -48,6 +50,7 @@ class ExplainSettings:
     precision: Precision = "fp32"
     channels_last: bool = False
     memory_budget: int | str | None = None
+    layout: str | None = None
 
     def method_options(
         self, model: nn.Module, methods: Sequence[str] | None = None
@@ -65,7 +68,9 @@ class ExplainSettings:
         classes = [get(name) for name in (methods if methods is not None else [self.method])]
         device = model_device(model) or torch.device("cpu")
         check_precision(self.precision, device, used=any(c.reduced_precision for c in classes))
-        common = {"precision": self.precision, "channels_last": self.channels_last}
+        common: dict[str, Any] = {"precision": self.precision, "channels_last": self.channels_last}
+        if self.layout is not None:
+            common["layout"] = self.layout
         return {c.name: {**common, **budget_option(c, self.memory_budget)} for c in classes}
 
     def forward_dtype(self, device: torch.device) -> torch.dtype | None:

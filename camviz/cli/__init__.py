@@ -39,6 +39,7 @@ SUBCOMMANDS = (
     "features",
     "inspect",
     "compare",
+    "app",
     "units",
     "visualize",
 )

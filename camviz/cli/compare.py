@@ -7,6 +7,7 @@ import sys
 
 from camviz.cli.options import (
     MAX_STEPS,
+    add_layout_option,
     add_memory_budget_option,
     add_model_options,
     add_precision_options,
@@ -45,6 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_precision_options(parser)
     add_memory_budget_option(parser)
+    add_layout_option(parser)
     parser.set_defaults(run=run)
 
 

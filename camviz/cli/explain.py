@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from camviz.cli.options import (
+    add_layout_option,
     add_memory_budget_option,
     add_model_options,
     add_precision_options,
-    input_size,
     worker_count,
 )
 from camviz.cli.text import printable
@@ -43,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         nargs="+",
         metavar="INPUT",
         help="image files, folders (searched recursively), glob patterns, .txt files listing "
-        "paths, or videos",
+        "paths, videos, or NIfTI volumes (.nii, .nii.gz)",
     )
     add_model_options(parser)
     _add_what_to_explain(parser)
@@ -51,9 +51,68 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_batches(parser)
     add_precision_options(parser)
     add_memory_budget_option(parser)
+    add_layout_option(parser)
     _add_task_options(parser)
+    _add_volume_options(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
+
+
+def _add_volume_options(parser: argparse.ArgumentParser) -> None:
+    """How NIfTI volumes are read and cut into sliding windows."""
+    volumes = parser.add_argument_group(
+        "NIfTI volumes (written as NAME_heatmap.nii.gz with the scan's affine, and "
+        "NAME_montage.png)"
+    )
+    volumes.add_argument(
+        "--window",
+        type=_numbers(2, float),
+        default=None,
+        metavar="LOW,HIGH",
+        help="map intensities LOW..HIGH to 0..1, clipped (CT: -1000,400)",
+    )
+    volumes.add_argument(
+        "--percentile",
+        type=_numbers(2, float),
+        default=None,
+        metavar="LOW,HIGH",
+        help="window each scan at these percentiles of its intensities (MR: 0.5,99.5)",
+    )
+    volumes.add_argument(
+        "--roi-size",
+        type=_numbers(3, int),
+        default=None,
+        metavar="D,H,W",
+        help="explain in sliding windows of this size, along the scan's voxel axes (default: "
+        "the whole volume, when it fits --memory-budget)",
+    )
+    volumes.add_argument(
+        "--overlap", type=float, default=0.25, help="share of a window the next overlaps"
+    )
+    volumes.add_argument(
+        "--blend",
+        choices=("constant", "gaussian"),
+        default="constant",
+        help="weights of overlapping windows' outputs (MONAI's modes)",
+    )
+
+
+def _numbers(count: int, kind: type) -> Any:
+    """An argparse ``type=`` for ``count`` numbers of ``kind`` separated by commas."""
+
+    def parse(text: str) -> tuple:
+        parts = text.split(",")
+        try:
+            values = tuple(kind(part) for part in parts)
+        except ValueError:
+            values = ()
+        if len(values) != count:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {count} {kind.__name__} numbers separated by commas"
+            )
+        return values
+
+    return parse
 
 
 def _add_what_to_explain(parser: argparse.ArgumentParser) -> None:
@@ -107,7 +166,7 @@ def _add_outputs(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_batches(parser: argparse.ArgumentParser) -> None:
-    """Batches, decoding workers, frames, the device and the input size."""
+    """Batches, decoding workers, frames and the device."""
     parser.add_argument(
         "--batch-size", type=_positive, default=16, metavar="N", help="images per batch"
     )
@@ -129,14 +188,6 @@ def _add_batches(parser: argparse.ArgumentParser) -> None:
         "--device",
         default=None,
         help="where the model runs (cpu, cuda, cuda:1); by default this process's GPU if any",
-    )
-    parser.add_argument(
-        "--input-size",
-        type=input_size,
-        default=None,
-        metavar="PIXELS",
-        help="scale each image's shorter side to PIXELS instead of the model's size (for a "
-        "detector: its own resize)",
     )
 
 
@@ -204,12 +255,15 @@ def _not_negative(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from camviz.cli.options import load_model, model_device_option
     from camviz.io.pictures import check_render_options
+    from camviz.io.volumes import is_volume
     from camviz.pipeline import distributed
     from camviz.pipeline.job import explain_files
 
     check_render_options(args.alpha, args.colormap)
     context = distributed.from_environment()
     device = model_device_option(args.device, context)
+    if args.task is None and all(is_volume(name) for name in args.inputs):
+        args.task = "volume"  # a 3-D model of NIfTI scans, not of video clips
     loaded = load_model(args)
     loaded.model.to(device)
     manifest = explain_files(args.inputs, args.out, loaded, _settings(args, loaded))
@@ -221,14 +275,15 @@ def run(args: argparse.Namespace) -> int:
 def _settings(args: argparse.Namespace, loaded: object) -> JobSettings:
     """The job's settings from the command line (``--similar-to`` needs the model)."""
     from camviz.cli.options import explain_settings
+    from camviz.core.targets import parse_unit
     from camviz.pipeline.settings import JobSettings, Outputs, RenderOptions
     from camviz.pipeline.tasks import TaskOptions
+    from camviz.pipeline.volumes import VolumeOptions
 
     shared = explain_settings(args)
     target = int(args.target) if args.target.lstrip("-").isdigit() else args.target
     if args.target.startswith("unit:"):
-        target, layer = _unit(args.target, loaded)
-        shared["layer"] = shared["layer"] or layer
+        target = parse_unit(args.target)
     if args.similar_to is not None:
         target = _similarity(args.similar_to, loaded)
     return JobSettings(
@@ -248,22 +303,14 @@ def _settings(args: argparse.Namespace, loaded: object) -> JobSettings:
             stride=args.stride,
         ),
         input_size=args.input_size,
+        volumes=VolumeOptions(
+            window=args.window,
+            percentile=args.percentile,
+            roi_size=args.roi_size,
+            overlap=args.overlap,
+            blend=args.blend,
+        ),
     )
-
-
-def _unit(text: str, loaded: object) -> tuple[object, str]:
-    """The Unit that ``--target unit:LAYER@CHANNELS`` names, and the layer explained without
-    ``--layer``: the last map before the unit's, found on a blank image of the model's size."""
-    import torch
-
-    from camviz.core.layers import default_target_layer
-    from camviz.core.targets import parse_unit
-
-    unit = parse_unit(text)
-    size = getattr(loaded.preprocess, "size", 224)  # type: ignore[attr-defined]
-    model = loaded.model  # type: ignore[attr-defined]
-    probe = torch.zeros(1, 3, size, size, device=next(model.parameters()).device)
-    return unit, default_target_layer(model, probe, before=unit.layer)
 
 
 def _similarity(path: str, loaded: object) -> object:

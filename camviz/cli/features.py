@@ -20,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "titled with their indices, under the layer name).",
     )
     parser.add_argument("image", metavar="IMAGE", help="an image file")
-    add_model_options(parser)
+    add_model_options(parser, channels_flag="--input-channels")
     parser.add_argument(
         "--layer",
         action="append",
@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from camviz.cli.text import echo
     from camviz.core.grids import as_spatial, patch_size
     from camviz.core.layerkinds import module_kind
+    from camviz.core.lineage import Lineage
     from camviz.debug.extraction import features
     from camviz.io.images import load_image
     from camviz.io.render import channel_figure, channel_grid, save
@@ -74,20 +75,28 @@ def run(args: argparse.Namespace) -> int:
     image = load_image(args.image)
     loaded = load_model(args)
     inputs = loaded.preprocess(image).unsqueeze(0)
-    outputs = features(
-        loaded.model,
-        inputs,
-        args.layer,
-        device="cpu",
-        precision=args.precision,
-        channels_last=args.channels_last,
-    )
+    with Lineage(inputs) as lineage:  # where the patch tokens of a transformer layer are
+        outputs = features(
+            loaded.model,
+            inputs,
+            args.layer,
+            device="cpu",
+            precision=args.precision,
+            channels_last=args.channels_last,
+        )
     # Transformer tokens become (1, C, h, w) maps too; anything else is refused here,
     # before a file is written. The layer's module says where its channels are.
     patch = patch_size(loaded.model)
     modules = dict(loaded.model.named_modules())
     maps = {
-        name: as_spatial(output, name, inputs.shape[-2:], patch, module_kind(modules[name]))
+        name: as_spatial(
+            output,
+            name,
+            inputs.shape[-2:],
+            patch,
+            module_kind(modules[name], tuple(output.shape)),
+            lineage.token_grid(output),
+        )
         for name, output in outputs.items()
     }
     weights = _class_weights(loaded.model, inputs, list(maps)) if args.order == "weight" else {}

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from camviz.core.layers import layer_shapes
 
     loaded = load_model(args)
-    inputs = torch.zeros(1, 3, args.size, args.size)
+    inputs = torch.zeros(1, loaded.preprocess.channels, args.size, args.size)
     try:
         rows = layer_shapes(
             loaded.model, inputs, precision=args.precision, channels_last=args.channels_last
@@ -54,14 +54,15 @@ def run(args: argparse.Namespace) -> int:
             f"the model does not take a {args.size}x{args.size} input ({first_line(error)}); "
             "pass a --size it accepts (224 for most models)"
         ) from None
-    marked = [
-        [
-            name,
-            kind,
-            str(tuple(shape)),
-            "<- default target layer" if name == loaded.default_layer else "",
-        ]
-        for name, kind, shape in rows
-    ]
+    default = loaded.default_layer or ""
+    at_input = default.endswith(":input")  # a head that takes a list of levels
+    default_name = default.removesuffix(":input")
+    mark = "<- default target layer" + (" (its input levels)" if at_input else "")
+    seen: set[str] = set()
+    marked = []
+    for name, kind, shape in rows:
+        first = name == default_name and name not in seen
+        seen.add(name)
+        marked.append([name, kind, str(tuple(shape)), mark if first else ""])
     echo(*aligned(["layer", "type", "output shape", ""], marked).splitlines())
     return 0

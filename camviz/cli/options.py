@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -54,20 +55,111 @@ def whole_number(text: str, low: int, high: int, unit: str = "") -> int:
     return value
 
 
-def add_model_options(parser: argparse.ArgumentParser) -> None:
-    """``--model`` and ``--weights``."""
-    parser.add_argument(
+def add_model_options(parser: argparse.ArgumentParser, channels_flag: str = "--channels") -> None:
+    """``--model`` with its sources' options, and the preprocessing options.
+
+    ``channels_flag`` names the option of the images' channels (``camviz features`` has a
+    ``--channels`` of its own, the channels to draw)."""
+    group = parser.add_argument_group("the model")
+    group.add_argument(
         "--model",
         default=None,
-        help="torchvision model name (resnet50), timm:NAME, or omitted for the offline "
-        "pretrained efficientnet_lite0",
+        help="torchvision model name (resnet50), timm:NAME, hf:NAME_OR_DIR (Hugging Face; a "
+        "folder made by save_pretrained works offline), yolo:FILE.yaml or yolo:FILE.pt "
+        "(Ultralytics), package.module:factory or path/to/file.py:factory (a function of "
+        "yours that returns the model: the file runs as your own code), or omitted for the "
+        "offline pretrained efficientnet_lite0",
     )
-    parser.add_argument(
+    group.add_argument(
         "--weights",
         default=None,
         metavar="PATH",
-        help="a local checkpoint (state_dict) to load into --model instead of downloading",
+        help="a local checkpoint (state_dict, read without running code) to load into "
+        "--model instead of its published weights",
     )
+    group.add_argument(
+        "--model-arg",
+        action="append",
+        type=model_argument,
+        default=[],
+        metavar="KEY=VALUE",
+        help="a keyword argument of a factory (repeatable); VALUE is read as a Python "
+        "literal (3, 0.5, 'a', [1, 2], True), else kept as text",
+    )
+    group.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="load a yolo:FILE.pt, a pickled whole model: unpickling runs code from the "
+        "file, so only for files you trust",
+    )
+    preprocessing = parser.add_argument_group(
+        "preprocessing (default: the model's own; for a factory, the images as they are)"
+    )
+    preprocessing.add_argument(
+        "--input-size",
+        type=input_size,
+        default=None,
+        metavar="PIXELS",
+        help="scale each image's shorter side to PIXELS instead of the model's size (for a "
+        "detector: its own resize)",
+    )
+    preprocessing.add_argument(
+        "--mean",
+        type=_numbers,
+        default=None,
+        metavar="M[,M,M]",
+        help="per-channel mean after scaling to 0..1 (0.485,0.456,0.406), or one for all",
+    )
+    preprocessing.add_argument(
+        "--std",
+        type=_numbers,
+        default=None,
+        metavar="S[,S,S]",
+        help="per-channel standard deviation (0.229,0.224,0.225), or one for all",
+    )
+    preprocessing.add_argument(
+        channels_flag,
+        dest="input_channels",
+        type=int,
+        choices=(1, 3),
+        default=None,
+        help="1 for a model of grey (or medical) images, 3 for RGB",
+    )
+    preprocessing.add_argument(
+        "--classes",
+        default=None,
+        metavar="FILE",
+        help="the class names, one per line (default: the model's, or class 0, class 1, ...)",
+    )
+    preprocessing.add_argument(
+        "--task",
+        default=None,
+        metavar="TASK",
+        help="classification, segmentation, detection, video, volume or embedding, when it "
+        "cannot be told from the model",
+    )
+
+
+def model_argument(text: str) -> tuple[str, object]:
+    """``--model-arg KEY=VALUE``: ``(KEY, VALUE)``, the value a Python literal if it reads as
+    one (``ast.literal_eval``), else the text itself."""
+    key, equals, value = text.partition("=")
+    key = key.strip()
+    if not equals or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (KEY a Python name)")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return key, value
+
+
+def _numbers(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not numbers separated by commas (0.485,0.456,0.406)"
+        ) from None
 
 
 def add_precision_options(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +191,31 @@ def add_memory_budget_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_layout_option(parser: argparse.ArgumentParser) -> None:
+    """``--layout``: the ``layout=`` of :func:`camviz.explain`, for layers whose layout or
+    patch tokens the pass cannot tell."""
+    parser.add_argument(
+        "--layout",
+        type=_layout,
+        default=None,
+        metavar="LAYOUT",
+        help="how the target layer lays out its output, where camviz cannot tell: "
+        "channels_first, channels_last, tokens (the grid from the token count), or "
+        "tokens[START:STOP] (the patch tokens, e.g. tokens[1:197])",
+    )
+
+
+def _layout(text: str) -> str:
+    from camviz.core.errors import CamvizError
+    from camviz.core.layouts import layout_kind
+
+    try:
+        layout_kind(text)
+    except CamvizError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def _byte_count(text: str) -> int:
     from camviz.core.errors import CamvizError
     from camviz.core.memory import parse_bytes
@@ -117,14 +234,26 @@ def explain_settings(args: argparse.Namespace) -> dict[str, Any]:
         "precision": args.precision,
         "channels_last": args.channels_last,
         "memory_budget": args.memory_budget,
+        "layout": args.layout,
     }
 
 
 def load_model(args: argparse.Namespace) -> LoadedModel:
-    """The model named by ``--model``/``--weights``."""
+    """The model named by ``--model``, with the options of :func:`add_model_options`."""
     from camviz.io.models import load
 
-    return load(args.model, weights=args.weights)
+    return load(
+        args.model,
+        weights=args.weights,
+        model_args=dict(args.model_arg),
+        trust_pickle=args.trust_pickle,
+        input_size=args.input_size,
+        mean=args.mean,
+        std=args.std,
+        channels=args.input_channels,
+        classes=args.classes,
+        task=args.task,
+    )
 
 
 def model_device_option(name: str | None, context: Context) -> torch.device:

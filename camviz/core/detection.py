@@ -23,15 +23,22 @@ of the same class whose box overlaps the plain pass's box most, with an IoU of a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torchvision.ops import batched_nms, box_convert, box_iou
 
 from camviz.core.errors import CamvizError
+from camviz.core.setpredictions import SetPredictions
 from camviz.core.targets.protocol import Change, Context, Resolved, TargetObject
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from camviz.core.inputs import Inputs
 
 #: A model's raw output -> one dict per image with ``boxes``, ``scores`` and ``labels``.
 Adapter = Callable[[Any], Sequence[Mapping[str, torch.Tensor]]]
@@ -88,6 +95,13 @@ class Detection(TargetObject):
             raise CamvizError(f"Detection.iou must be a number in [0, 1], not {self.iou!r}")
         if not 0 <= self.iou <= 1:
             raise CamvizError(f"Detection.iou must be in [0, 1], got {self.iou}")
+
+    def prepare(self, model: nn.Module, inputs: Inputs) -> Detection:
+        """This target with a :class:`~camviz.core.setpredictions.SetPredictions` adapter told
+        the map input's size (its boxes are relative to the image)."""
+        if isinstance(self.adapter, SetPredictions):
+            return dataclasses.replace(self, adapter=self.adapter.for_input(inputs.main.shape[2:]))
+        return self
 
     def resolve(self, output: Any, context: Context | None = None) -> Resolved:
         """The score function of each object (rank), the explained labels ``(N, K)`` and
@@ -146,17 +160,8 @@ class Detection(TargetObject):
         """The model output as one dict of ``boxes``, ``scores`` and ``labels`` per image."""
         return self._reader(output_key)(output)
 
-    def _reader(
-        self, output_key: str | int | None
-    ) -> Callable[[Any], list[Mapping[str, torch.Tensor]]]:
-        adapter = self.adapter
-
-        def read(output: Any) -> list[Mapping[str, torch.Tensor]]:
-            if output_key is not None:
-                output = output[output_key]
-            return _checked(adapter(output) if adapter is not None else output, adapter)
-
-        return read
+    def _reader(self, output_key: str | int | None) -> _Reader:
+        return _Reader(self.adapter, output_key)
 
     def _references(
         self, found: Sequence[Mapping[str, torch.Tensor]]
@@ -184,6 +189,30 @@ class Detection(TargetObject):
             )
         device = found[0]["boxes"].device if found else None
         return [b.to(device) for b in box], [lab.to(device) for lab in label]
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """A model output -> one dict of detections per image, through the adapter."""
+
+    adapter: Adapter | None
+    output_key: str | int | None
+
+    def __call__(self, output: Any) -> list[Mapping[str, torch.Tensor]]:
+        if self.output_key is not None:
+            output = output[self.output_key]
+        adapter = self.adapter
+        return _checked(adapter(output) if adapter is not None else output, adapter)
+
+    def rescaled(self, factors: Sequence[float]) -> _Reader:
+        """This reader for an input rescaled by ``factors``: a set-prediction adapter's
+        relative boxes are scaled to the rescaled input's pixels."""
+        adapter = self.adapter
+        if not isinstance(adapter, SetPredictions) or adapter.input_size is None:
+            return self
+        height, width = adapter.input_size
+        size = (round(height * factors[-2]), round(width * factors[-1]))
+        return _Reader(adapter.for_input(size), self.output_key)
 
 
 @dataclass(frozen=True, eq=False)
@@ -259,7 +288,7 @@ class DetectionScore:
             indices=None,
             iou=self.iou,
             with_box=self.with_box,
-            read=self.read,
+            read=self.read.rescaled(factors) if isinstance(self.read, _Reader) else self.read,
         )
 
 
@@ -290,11 +319,17 @@ class DenseDetections:
 
     YOLO-style models output ``(N, A, 4 + C)`` (or ``(N, A, 5 + C)`` with an objectness
     score, YOLOv5's layout): for each of ``A`` anchors a box and ``C`` class scores.
-    Ultralytics' YOLOv8 and later output ``(N, 4 + C, A)``: pass ``channels_last=False``.
-    This adapter turns them into the detections a detector's post-processing gives, so
-    that :class:`Detection` can pick one: per image, the anchors whose best class score
-    (times the objectness, if any) reaches ``score_threshold``, then class-wise
-    non-maximum suppression at ``iou_threshold``, best first, at most ``max_detections``.
+    Ultralytics' YOLOv8 and later output ``(N, 4 + C, A)``, and their ``-seg`` models
+    ``(N, 4 + C + K, A)`` with ``K`` mask coefficients, beside the ``K`` mask prototypes.
+    Which axis holds the anchors is told from the shape: the one at least 4 times longer
+    than the other (an image has thousands of anchors and tens of classes); when neither
+    is, ``channels_last`` must say. The mask coefficients are dropped: ``K`` is the number
+    of prototypes when the output holds them (Ultralytics' ``Segment`` head), or
+    ``mask_coefficients``. This adapter turns them into the detections a detector's
+    post-processing gives, so that :class:`Detection` can pick one: per image, the anchors
+    whose best class score (times the objectness, if any) reaches ``score_threshold``, then
+    class-wise non-maximum suppression at ``iou_threshold``, best first, at most
+    ``max_detections``.
     Scores and boxes stay in the autograd graph (only the choice of anchors is not), so
     the explained score is differentiable.
 
@@ -309,7 +344,10 @@ class DenseDetections:
         score_threshold: The least score of a detection.
         iou_threshold: The IoU above which NMS drops the weaker of two boxes of a class.
         max_detections: The most detections kept per image.
-        channels_last: ``True`` for ``(N, A, 4 + C)``, ``False`` for ``(N, 4 + C, A)``.
+        channels_last: ``True`` for ``(N, A, 4 + C)``, ``False`` for ``(N, 4 + C, A)``,
+            ``None`` (the default) to tell it from the shape.
+        mask_coefficients: The ``K`` trailing columns that are mask coefficients, not
+            classes; ``None``: the number of mask prototypes in the output, if any, else 0.
         activation: ``"sigmoid"`` or ``"softmax"`` if the class (and objectness) columns
             are logits; ``None`` if they are scores already.
     """
@@ -319,10 +357,18 @@ class DenseDetections:
     score_threshold: float = 0.25
     iou_threshold: float = 0.45
     max_detections: int = 100
-    channels_last: bool = True
+    channels_last: bool | None = None
     activation: Literal["sigmoid", "softmax"] | None = None
+    mask_coefficients: int | None = None
 
     def __post_init__(self) -> None:
+        masks = self.mask_coefficients
+        if masks is not None and (
+            isinstance(masks, bool) or not isinstance(masks, int) or masks < 0
+        ):
+            raise CamvizError(
+                f"DenseDetections.mask_coefficients must be an int >= 0 or None, not {masks!r}"
+            )
         if self.box_format not in ("cxcywh", "xyxy"):
             raise CamvizError(
                 f"DenseDetections.box_format must be 'cxcywh' or 'xyxy', not {self.box_format!r}"
@@ -334,7 +380,7 @@ class DenseDetections:
             )
 
     def __call__(self, output: Any) -> list[dict[str, torch.Tensor]]:
-        predictions = output[0] if isinstance(output, (tuple, list)) else output
+        predictions, prototypes = _dense_predictions(output)
         first = 5 if self.objectness else 4
         if not isinstance(predictions, torch.Tensor) or predictions.dim() != 3:
             raise CamvizError(
@@ -345,15 +391,35 @@ class DenseDetections:
                     else type(predictions).__name__
                 )
             )
-        if not self.channels_last:
+        if not self._anchors_first(predictions.shape):
             predictions = predictions.transpose(1, 2)
-        if predictions.shape[-1] <= first:
+        masks = self.mask_coefficients
+        if masks is None:
+            masks = 0 if prototypes is None else prototypes.shape[1]
+        if predictions.shape[-1] <= first + masks:
             raise CamvizError(
-                f"DenseDetections expects (N, anchors, {first} + classes) predictions, got "
-                f"{tuple(predictions.shape)}; for (N, {first} + classes, anchors) pass "
-                "channels_last=False"
+                f"DenseDetections expects (N, anchors, {first} + classes"
+                + (f" + {masks} mask coefficients" if masks else "")
+                + f") predictions, got {tuple(predictions.shape)}; for (N, {first} + classes, "
+                "anchors) pass channels_last=False"
             )
+        if masks:
+            predictions = predictions[..., :-masks]
         return [self._image(rows, first) for rows in predictions]
+
+    def _anchors_first(self, shape: Sequence[int]) -> bool:
+        """Whether axis 1 of ``(N, a, b)`` predictions holds the anchors (``channels_last``,
+        else the longer axis, when it is at least 4 times the other)."""
+        if self.channels_last is not None:
+            return self.channels_last
+        _, first, second = shape
+        if first >= 4 * second or second >= 4 * first:
+            return first > second
+        raise CamvizError(
+            f"DenseDetections cannot tell which axis of the {tuple(shape)} predictions holds "
+            "the anchors (neither is 4 times the other); pass channels_last=True for (N, "
+            "anchors, 4 + classes) or channels_last=False for (N, 4 + classes, anchors)"
+        )
 
     def _image(self, rows: torch.Tensor, first: int) -> dict[str, torch.Tensor]:
         classes = self._activated(rows[:, first:])
@@ -378,6 +444,23 @@ class DenseDetections:
         if self.activation == "softmax":
             return scores.softmax(dim=-1)
         return scores
+
+
+def _dense_predictions(output: Any) -> tuple[Any, torch.Tensor | None]:
+    """A dense head's raw predictions in its output (the first element of a tuple or list),
+    and its mask prototypes ``(N, K, h, w)`` if the predictions come with them (Ultralytics'
+    ``Segment`` head gives ``[predictions, prototypes]`` first)."""
+    predictions = output[0] if isinstance(output, (tuple, list)) else output
+    if isinstance(predictions, (tuple, list)) and len(predictions) == 2:
+        values, prototypes = predictions
+        if (
+            isinstance(values, torch.Tensor)
+            and isinstance(prototypes, torch.Tensor)
+            and values.dim() == 3
+            and prototypes.dim() == 4
+        ):
+            return values, prototypes
+    return predictions, None
 
 
 def _resolved(scores: list[DetectionScore]) -> Resolved:
@@ -420,11 +503,17 @@ def _by_index(
             f"Detection(index) takes an int or a non-empty list of ints, not {index!r}"
         )
     count = len(detections["scores"])
+    if not count:
+        raise CamvizError(
+            f"image {image} has no detection to explain: no score reaches the threshold of the "
+            "detector (box_score_thresh= of torchvision's) or of its adapter (score_threshold= "
+            "of DenseDetections and SetPredictions); lower it, or explain another image"
+        )
     for i in indices:
         if not 0 <= i < count:
-            have = f"detections 0..{count - 1}" if count else "no detection"
             raise CamvizError(
-                f"detection {i} does not exist: image {image} has {have}; pick an index "
+                f"detection {i} does not exist: image {image} has detections 0..{count - 1}; "
+                "pick an index "
                 "below that (or lower the detector's score threshold)"
             )
     return indices

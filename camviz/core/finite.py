@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from camviz.core.hooks import tensors_in
-from camviz.core.modelstate import HookSet
+from camviz.core.modelstate import HookSet, no_grad
 
 
 def is_finite(tensor: torch.Tensor) -> bool:
@@ -45,7 +45,7 @@ def first_nonfinite_layer(model: nn.Module, inputs: torch.Tensor) -> str | None:
         if bad:
             flags.append((name, torch.stack([flag.to(bad[0].device) for flag in bad]).any()))
 
-    with HookSet() as hooks, torch.no_grad():
+    with HookSet() as hooks, no_grad():
         for name, module in model.named_modules():
             if name:
                 hooks.add(module.register_forward_hook(partial(record, name)))

@@ -7,9 +7,9 @@ or three axes (signals, images, volumes and clips). Layers emit three layouts
 * ``"channels_first"`` - convolutional networks: ``(N, C, L)``, ``(N, C, H, W)``,
   ``(N, C, D, H, W)``, used as they are;
 * ``"channels_last"`` - ``(N, H, W, C)`` (Swin transformers between blocks) and the like;
-* ``"tokens"`` - transformers: ``(N, T, C)`` with ``T = P + prod(grid)``, where the ``P``
-  leading tokens are not patches (class, distillation and register tokens) and the patch
-  tokens follow in row-major order.
+* ``"tokens"`` - transformers: ``(N, T, C)``, of which ``prod(grid)`` tokens from ``prefix``
+  on are the patches, in row-major order; tokens before them are class, distillation or
+  register tokens, tokens after them detection tokens (YOLOS).
 
 Which one a layer emits is decided from what produced it (:mod:`camviz.core.layerkinds`):
 its module kind, or that of the module that produced the same tensor; the shape is used
@@ -17,9 +17,15 @@ only where the kind is unknown and the shape leaves one reading (an ``(N, A, B, 
 whose axes 2-3, but not 1-2, have the input's proportions). Anything else raises and names
 ``layout=``, the argument of :func:`camviz.explain` that settles it.
 
-The grid of tokens is inferred from the input size, never assumed: ``grid = size / s`` for
-the patch stride ``s`` (the model's patch embedding when it has one, else the largest
-stride-consistent grid that fits in ``T``), and ``P = T - prod(grid)``.
+Where the patches of a token sequence are is told by the pass that produced it: the patch
+embedding's feature map that camviz followed into the tokens
+(:class:`~camviz.core.lineage.TokenGrid`), which gives the grid and which tokens are patches.
+Tokens that come from no feature map (a DETR decoder's object queries) have no grid, and are
+refused in one line, never laid on a grid that their count happens to fit. Where nothing
+tells, ``layout=camviz.Tokens(patches=slice(1, 197), grid=(14, 14))`` says where they are;
+``layout="tokens"`` asks camviz to infer the grid from the token count and the input size
+(``grid = size / s`` for the patch stride ``s`` of the model's patch embedding, else the
+largest stride-consistent grid that fits in ``T``, the leading tokens the rest).
 
 The same :class:`Layout` serves activations and their gradients (same shape, same layout),
 and methods that edit a layer's output (Ablation-CAM) use :attr:`Layout.channel_dim`.
@@ -36,11 +42,36 @@ from torch import nn
 
 from camviz.core.errors import CamvizError
 from camviz.core.layerkinds import Kind
+from camviz.core.layouts import Tokens
+from camviz.core.lineage import TokenGrid
 
 LAYOUT_HINT = (
     "pass layout='channels_first' (N, C, *grid), 'channels_last' (N, *grid, C) or "
     "'tokens' (N, T, C) to say which it is"
 )
+
+
+class NoPatchGridError(CamvizError):
+    """A layer's tokens come from no patch embedding that camviz saw, so they have no grid.
+
+    Attributes:
+        layer: The layer.
+        count: How many tokens it outputs.
+    """
+
+    def __init__(self, layer: str, count: int, patch_layers: Sequence[str] = ()) -> None:
+        self.layer = layer
+        self.count = count
+        named = (
+            f"e.g. {', '.join(map(repr, patch_layers))}"
+            if patch_layers
+            else "`camviz layers` lists the layers"
+        )
+        super().__init__(
+            f"layer {layer!r} outputs {count} tokens that come from no patch embedding (object "
+            f"queries?), so they have no grid; pick a layer whose tokens are patches ({named}), "
+            "or say where they are with layout=camviz.Tokens(patches=slice(START, STOP))"
+        )
 
 
 @dataclass(frozen=True)
@@ -50,7 +81,8 @@ class Layout:
     Attributes:
         kind: ``"channels_first"``, ``"channels_last"`` or ``"tokens"``.
         grid: The grid's size, one to three axes.
-        prefix: Leading tokens that are not patches (``tokens`` only).
+        prefix: Leading tokens that are not patches (``tokens`` only); the ``prod(grid)``
+            patch tokens follow, and any tokens after them are not patches either.
     """
 
     kind: Kind
@@ -68,7 +100,8 @@ class Layout:
             return tensor
         if self.kind == "channels_last":
             return tensor.movedim(-1, 1)
-        return tensor[:, self.prefix :].unflatten(1, self.grid).movedim(-1, 1)
+        patches = tensor[:, self.prefix : self.prefix + math.prod(self.grid)]
+        return patches.unflatten(1, self.grid).movedim(-1, 1)
 
 
 def layout_of(
@@ -77,6 +110,7 @@ def layout_of(
     input_size: Sequence[int] | None = None,
     patch_size: int | Sequence[int] | None = None,
     kind: Kind | None = None,
+    tokens: TokenGrid | Tokens | None = None,
 ) -> Layout:
     """The layout of an output of ``shape`` produced for an input of ``input_size``.
 
@@ -86,11 +120,13 @@ def layout_of(
         input_size: The input's spatial size (``(L,)``, ``(H, W)`` or ``(D, H, W)``).
             Without it, outputs are read as channels first and token grids as square.
         patch_size: The model's patch stride (see :func:`patch_size`), when known.
-        kind: What the producing module says (or ``layout=``); ``None``: only the shape.
+        kind: What the producing module says (or ``layout=``: ``"tokens"`` there asks for the
+            grid inferred from the token count); ``None``: only the shape.
+        tokens: Where the patch tokens are: told by the pass, or by ``layout=Tokens(...)``.
 
     Raises:
-        CamvizError: The output is not a feature map or a token grid, or its layout cannot
-            be told without ``layout=``.
+        CamvizError: The output is not a feature map or a token grid, its layout cannot be
+            told without ``layout=``, or (:class:`NoPatchGridError`) its tokens have no grid.
     """
     shape = tuple(shape)
     size = None if input_size is None else tuple(input_size)
@@ -99,12 +135,18 @@ def layout_of(
             f"layer {layer!r} outputs shape {shape}, not a feature map: it has no spatial "
             "axes; pick a convolutional layer or a transformer block"
         )
-    if kind is None:
-        kind = _kind_from_shape(shape, layer, size, patch_size)
+    if isinstance(tokens, Tokens):
+        return _given_tokens(shape, layer, size, tokens)
+    if kind is None and tokens is None:
+        kind = _kind_from_shape(shape, layer, size)
     if kind == "channels_first":
         return Layout("channels_first", shape[2:])
     if kind == "channels_last" and len(shape) > 3:
         return Layout("channels_last", shape[1:-1])
+    if tokens is not None:
+        return Layout("tokens", tokens.grid, tokens.start)
+    if kind != "tokens":
+        raise NoPatchGridError(layer, shape[1])
     grid = _token_grid(shape[1], size, patch_size)
     if _holds(shape[1], grid):
         return Layout("tokens", grid, shape[1] - math.prod(grid))
@@ -115,22 +157,47 @@ def layout_of(
     )
 
 
-def _kind_from_shape(
-    shape: tuple[int, ...],
-    layer: str,
-    size: tuple[int, ...] | None,
-    patch: int | Sequence[int] | None,
-) -> Kind:
-    """The layout when nothing but the shape speaks: only where one reading is possible."""
-    if size is None:
-        return "channels_first" if len(shape) > 3 else "tokens"
-    if len(shape) == len(size) + 2 and len(size) > 1:
+def _given_tokens(
+    shape: tuple[int, ...], layer: str, size: tuple[int, ...] | None, given: Tokens
+) -> Layout:
+    """The layout that ``layout=Tokens(patches=..., grid=...)`` gives an ``(N, T, C)`` output."""
+    if len(shape) != 3:
+        raise CamvizError(
+            f"layout=Tokens(...) is for token outputs (N, T, C), but layer {layer!r} outputs "
+            f"shape {shape}"
+        )
+    start, stop, step = given.patches.indices(shape[1])
+    count = len(range(start, stop, step))
+    if step != 1 or count < 1:
+        raise CamvizError(
+            f"Tokens(patches={given.patches}) selects no run of tokens of the {shape[1]} that "
+            f"layer {layer!r} outputs; give slice(START, STOP) within them"
+        )
+    grid = given.grid
+    if grid is None and size is None:
+        grid = (math.isqrt(count),) * 2
+    elif grid is None:
+        assert size is not None
+        strides = [(stride,) * len(size) for stride in range(1, max(size) + 1)]
+        grid = _largest_grid(count, size, strides)
+    if math.prod(grid) != count:
+        raise CamvizError(
+            f"Tokens(patches={given.patches}) holds {count} tokens of layer {layer!r}, which "
+            f"are not a grid {tuple(grid)} for an input of size {size}; pass Tokens(grid=...)"
+        )
+    return Layout("tokens", tuple(grid), start)
+
+
+def _kind_from_shape(shape: tuple[int, ...], layer: str, size: tuple[int, ...] | None) -> Kind:
+    """The layout when nothing but the shape speaks: only where one reading is possible
+    (token sequences never: where their patches are is told by the pass)."""
+    if size is None and len(shape) > 3:
+        return "channels_first"
+    if size is not None and len(shape) == len(size) + 2 and len(size) > 1:
         first = _matches_input(shape[2:], size)
         last = _matches_input(shape[1:-1], size)
         if not (first and last):
             return "channels_last" if last else "channels_first"
-    elif len(shape) == 3 and len(size) > 1 and patch is not None:
-        return "tokens"
     raise CamvizError(
         f"cannot tell how layer {layer!r} lays out its output of shape {shape} for an input "
         f"of size {size} (nothing that produced it says); {LAYOUT_HINT}"
@@ -143,9 +210,10 @@ def as_spatial(
     input_size: Sequence[int] | None = None,
     patch_size: int | Sequence[int] | None = None,
     kind: Kind | None = None,
+    tokens: TokenGrid | Tokens | None = None,
 ) -> torch.Tensor:
     """A layer's output (or its gradient) as an ``(N, C, *grid)`` map; see :func:`layout_of`."""
-    return layout_of(tensor.shape, layer, input_size, patch_size, kind).to_spatial(tensor)
+    return layout_of(tensor.shape, layer, input_size, patch_size, kind, tokens).to_spatial(tensor)
 
 
 def patch_size(model: nn.Module) -> tuple[int, ...] | None:

@@ -4,9 +4,10 @@
 ``model(*inputs)``) or a dict (passed as keywords, ``model(**inputs)``, e.g. Hugging Face's
 ``pixel_values=``). Every tensor in it is a batch of the same ``N`` samples (0-d tensors
 and other values are passed along as they are). The *map input* is the one the heatmap is
-laid on (the first, unless ``map_input=`` names another): a float ``(N, C, *spatial)``
-batch with one to three spatial axes - signals ``(N, C, L)``, images ``(N, C, H, W)``,
-volumes or clips ``(N, C, D, H, W)``.
+laid on (the first, unless ``map_input=`` names another; for a dict whose first input is
+no float batch with spatial axes, as a processor's ``input_ids`` before ``pixel_values``,
+the one input that is): a float ``(N, C, *spatial)`` batch with one to three spatial
+axes - signals ``(N, C, L)``, images ``(N, C, H, W)``, volumes or clips ``(N, C, D, H, W)``.
 
 A tensor is always a batch, with one exception kept for convenience: a single ``(C, H, W)``
 image for a model whose first convolution is 2-D (decided from the model, not the rank).
@@ -314,7 +315,7 @@ def _map_key(args: Sequence[Any], kwargs: Mapping[str, Any], map_input: Key | No
     if kwargs:
         names = list(kwargs)
         if map_input is None:
-            return names[0]
+            return _first_map(kwargs)
         if map_input not in kwargs:
             raise CamvizError(f"map_input={map_input!r} is not one of the inputs {names}")
         return map_input
@@ -330,6 +331,26 @@ def _map_key(args: Sequence[Any], kwargs: Mapping[str, Any], map_input: Key | No
             f"(0..{len(args) - 1})"
         )
     return map_input
+
+
+def _is_map(value: Any) -> bool:
+    """Whether ``value`` can carry a map: a float batch with one to three spatial axes."""
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and 3 <= value.dim() <= 5
+
+
+def _first_map(kwargs: Mapping[str, Any]) -> str:
+    """The map input of keyword inputs: the first, unless it cannot carry a map (a
+    processor's ``input_ids`` come before ``pixel_values``) and one other input can."""
+    names = list(kwargs)
+    if _is_map(kwargs[names[0]]):
+        return names[0]
+    maps = [name for name in names if _is_map(kwargs[name])]
+    if len(maps) > 1:
+        raise CamvizError(
+            f"the first input {names[0]!r} is no float (N, C, *spatial) batch, and "
+            f"{', '.join(map(repr, maps))} all are; pass map_input= the one to lay maps on"
+        )
+    return maps[0] if maps else names[0]
 
 
 def _to(value: Any, device: torch.device | None) -> Any:

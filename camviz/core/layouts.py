@@ -12,6 +12,7 @@ does not know. A level of a container spot that no module produced (an FPN's max
 from __future__ import annotations
 
 import dataclasses
+import re
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ from torch import nn
 
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import Inputs
-from camviz.core.layerkinds import CallLog, Kind, module_kind, record_calls
+from camviz.core.layerkinds import CallLog, Kind, module_kind, needs_shape, record_calls
+from camviz.core.lineage import Lineage, TokenGrid
 from camviz.core.modelstate import eval_mode
 from camviz.core.taps import edit_spots, parse
 
@@ -38,19 +40,80 @@ LAYOUT_NAMES: dict[str, Kind] = {
     "tokens": "tokens",
 }
 
+
+@dataclass(frozen=True)
+class Tokens:
+    """``layout=`` for token outputs ``(N, T, C)`` whose patches camviz cannot find: the
+    tokens ``patches`` (a slice) are the patches in row-major order, on ``grid`` (by default
+    the grid of that many patches with the input's proportions).
+
+    camviz finds the patches itself where the pass shows them (a patch embedding's feature
+    map flattened into the tokens); this is for models where nothing does. In the CLI:
+    ``--layout tokens[1:197]``.
+
+    Example:
+        >>> camviz.explain(model, x, layer="blocks.11.norm1",
+        ...                layout=camviz.Tokens(patches=slice(1, 197), grid=(14, 14)))
+    """
+
+    patches: slice
+    grid: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.patches, slice):
+            raise CamvizError(
+                f"Tokens(patches=) takes a slice of the tokens, e.g. slice(1, 197), not "
+                f"{self.patches!r}"
+            )
+        grid = self.grid
+        if grid is not None and (
+            not isinstance(grid, (tuple, list))
+            or not 1 <= len(grid) <= 3
+            or not all(isinstance(extent, int) and extent > 0 for extent in grid)
+        ):
+            raise CamvizError(
+                f"Tokens(grid=) takes one to three positive ints, e.g. (14, 14), not {grid!r}"
+            )
+        if grid is not None:
+            object.__setattr__(self, "grid", tuple(grid))
+
+
+Layout = str | Tokens
+"""What ``layout=`` gives one spot: a kind's name, or where the patch tokens are."""
+
 # The layout kind of each (model, layer spot, input rank), once told from a recorded pass.
 _kind_cache: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, int], Kind | None]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def layout_kind(name: str) -> Kind:
+_TOKEN_SLICE = re.compile(r"tokens\[\s*(-?\d*)\s*:\s*(-?\d*)\s*\]")
+
+
+def layout_kind(name: str | Tokens) -> Kind:
     """The kind a ``layout=`` value names."""
+    if isinstance(name, Tokens):
+        return "tokens"
+    if isinstance(name, str) and _TOKEN_SLICE.fullmatch(name.strip().lower()):
+        return "tokens"
     if not isinstance(name, str) or name.lower() not in LAYOUT_NAMES:
         raise CamvizError(
-            f"unknown layout {name!r}; use 'channels_first', 'channels_last' or 'tokens'"
+            f"unknown layout {name!r}; use 'channels_first', 'channels_last', 'tokens', "
+            "'tokens[START:STOP]' or camviz.Tokens(patches=slice(START, STOP))"
         )
     return LAYOUT_NAMES[name.lower()]
+
+
+def given_tokens(value: str | Tokens) -> Tokens | None:
+    """Where a ``layout=`` value puts the patch tokens: a :class:`Tokens`, or its spelling
+    ``"tokens[1:197]"`` (the CLI's ``--layout``); ``None`` for a kind's name."""
+    if isinstance(value, Tokens):
+        return value
+    match = _TOKEN_SLICE.fullmatch(value.strip().lower()) if isinstance(value, str) else None
+    if match is None:
+        return None
+    start, stop = (int(bound) if bound else None for bound in match.groups())
+    return Tokens(slice(start, stop))
 
 
 @dataclass(frozen=True)
@@ -61,11 +124,13 @@ class SpotKinds:
         model: The model the spots are in.
         input_dims: The map input's number of dimensions (``4`` for ``(N, C, H, W)``).
         given: The kinds ``layout=`` gives, by spot key (or element spot of one).
+        tokens: Where ``layout=`` puts the patch tokens, by spot key (:class:`Tokens`).
     """
 
     model: nn.Module
     input_dims: int
     given: Mapping[str, Kind] = dataclasses.field(default_factory=dict)
+    tokens: Mapping[str, Tokens] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(
@@ -73,7 +138,7 @@ class SpotKinds:
         model: nn.Module,
         input_dims: int,
         spots: Sequence[str],
-        layout: str | Mapping[str, str] | None,
+        layout: Layout | Mapping[str, Layout] | None,
     ) -> SpotKinds:
         """The kinds of ``spots``, with what ``layout=`` gives (one layout for all spots, or
         ``{spot: layout}``).
@@ -83,8 +148,8 @@ class SpotKinds:
         """
         if layout is None:
             return cls(model, input_dims)
-        if isinstance(layout, str):
-            return cls(model, input_dims, {name: layout_kind(layout) for name in spots})
+        if isinstance(layout, (str, Tokens)):
+            layout = dict.fromkeys(spots, layout)
         unknown = [
             name
             for name in layout
@@ -92,17 +157,26 @@ class SpotKinds:
         ]
         if unknown:
             raise CamvizError(f"layout= names {unknown}, which are not target layers ({spots})")
-        return cls(model, input_dims, {name: layout_kind(value) for name, value in layout.items()})
+        tokens = {name: given_tokens(value) for name, value in layout.items()}
+        return cls(
+            model,
+            input_dims,
+            {name: layout_kind(value) for name, value in layout.items()},
+            {name: value for name, value in tokens.items() if value is not None},
+        )
 
     def expanded(self, spots: Sequence[str]) -> SpotKinds:
         """The kinds for the element spots of container spots (an FPN's levels): ``layout=``'s
         entry of the element itself, else of its container."""
-        given = {}
+        given, tokens = {}, {}
         for spot in spots:
             named = [key for key in self.given if spot == key or spot.startswith(key + "[")]
             if named:
-                given[spot] = self.given[max(named, key=len)]  # the element's own entry first
-        return dataclasses.replace(self, given=given)
+                key = max(named, key=len)  # the element's own entry first
+                given[spot] = self.given[key]
+                if key in self.tokens:
+                    tokens[spot] = self.tokens[key]
+        return dataclasses.replace(self, given=given, tokens=tokens)
 
     def known(self, name: str) -> Kind | None:
         """The kind of a spot's tensor without a recorded pass: given, by module, or cached."""
@@ -127,8 +201,13 @@ class SpotKinds:
         return levels.pop() if len(levels) == 1 else None
 
     def all_known(self, spots: Sequence[str]) -> bool:
-        """Whether every spot's kind is known without recording the pass's module calls."""
-        return all(self.known(name) is not None for name in spots)
+        """Whether every spot's kind is known without recording the pass's module calls (a
+        layer norm's is told from its output's shape, which the pass records anyway)."""
+        return all(
+            self.known(name) is not None
+            or (not parse(name).path and needs_shape(self.model.get_submodule(parse(name).name)))
+            for name in spots
+        )
 
     def told(
         self, name: str, calls: CallLog | None, activations: Mapping[str, torch.Tensor]
@@ -136,9 +215,12 @@ class SpotKinds:
         """The kind of a spot's tensor: as :meth:`known`, else told from the pass's module
         ``calls`` and recorded ``activations`` (and remembered for the model)."""
         known = self.known(name)
+        spot = parse(name)
+        if known is None and not spot.path:
+            shape = tuple(activations[name].shape)
+            known = module_kind(self.model.get_submodule(spot.name), shape)
         if known is not None or calls is None:
             return known
-        spot = parse(name)
         end = calls.starts.get(spot.name) if spot.at == "input" else calls.index(spot.name)
         if end is None:
             return None
@@ -159,27 +241,52 @@ class SpotKinds:
         return kind
 
 
-def spot_kind(model: nn.Module, spot: str, inputs: Inputs) -> Kind | None:
-    """The layout kind of ``spot``'s tensor for inputs like ``inputs``, for code that reads a
-    spot outside the engine's pass (a :class:`~camviz.Unit`'s layer): known without a pass
-    (:meth:`SpotKinds.known`), else told from one dry pass on the first sample, which is
-    remembered for the model like the engine's; ``None`` when nothing tells."""
+@dataclass(frozen=True)
+class SpotReading:
+    """How a spot's tensor is read outside the engine's pass (a :class:`~camviz.Unit`'s
+    layer): its layout kind and, for patch tokens, where they are."""
+
+    kind: Kind | None
+    tokens: TokenGrid | None = None
+
+
+# Readings told by a dry pass, per model, spot and input shape (tokens depend on the size).
+_reading_cache: weakref.WeakKeyDictionary[
+    nn.Module, dict[tuple[str, tuple[int, ...]], SpotReading]
+] = weakref.WeakKeyDictionary()
+
+
+def spot_reading(model: nn.Module, spot: str, inputs: Inputs) -> SpotReading:
+    """How to read ``spot``'s tensor for inputs like ``inputs``, as the engine would: a
+    channels-first kind known without a pass (:meth:`SpotKinds.known`) as it is; anything
+    else from one dry pass on the first sample, followed from the map input
+    (:class:`~camviz.core.lineage.Lineage`) to find the patch tokens, and remembered."""
     kinds = SpotKinds(model, inputs.main.dim())
     known = kinds.known(spot)
-    if known is not None or not inputs.size:
-        return known
-    seen: dict[str, torch.Tensor] = {}
+    if known == "channels_first" or not inputs.size:
+        return SpotReading(known)
+    key = (spot, tuple(inputs.main.shape[1:]))
+    per_model = _reading_cache.setdefault(model, {})
+    if key not in per_model:
+        first = torch.zeros(1, dtype=torch.long, device=inputs.main.device)
+        sample = inputs.replaced({}, first)
+        lineage = Lineage(sample.main)
+        seen: dict[str, torch.Tensor] = {}
 
-    def keep(tensor: torch.Tensor) -> torch.Tensor:
-        seen.setdefault(spot, tensor)
-        return tensor
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            seen.setdefault(spot, tensor)
+            return tensor
 
-    first = torch.zeros(1, dtype=torch.long, device=inputs.main.device)
-    with (
-        record_calls(model) as log,
-        edit_spots(model, {spot: keep}),
-        eval_mode(model),
-        torch.inference_mode(),
-    ):
-        inputs.replaced({}, first)(model)
-    return kinds.told(spot, log, seen) if spot in seen else None
+        with (
+            record_calls(model) as log,
+            edit_spots(model, {spot: keep}),
+            eval_mode(model),
+            torch.no_grad(),
+            lineage,
+        ):
+            sample(model)
+        if spot not in seen:
+            return SpotReading(known)
+        kind = known or kinds.told(spot, log, seen)
+        per_model[key] = SpotReading(kind, lineage.token_grid(seen[spot]))
+    return per_model[key]

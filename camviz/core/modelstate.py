@@ -15,6 +15,12 @@ undone too, since what it will restore is saved before it starts). The changes c
 * :class:`Attributes` - given attributes of given modules set to given values (a detector's
   score threshold in a folder job).
 
+The passes camviz runs of a model without a gradient (dry runs, layer shapes, perturbed
+copies, metrics, sanity checks) go through :func:`no_grad`, never ``torch.inference_mode``:
+a model that caches a tensor on its first call for an input shape (Ultralytics' ``Detect``
+head keeps its anchors and strides) would keep an inference tensor, and every later backward
+pass through it, the user's own included, would fail.
+
 Hooks come on and off through :class:`HookSet`, whose handles are removed together, on
 errors too. :func:`exclusive` serialises the calls that hook a model: two threads that
 explain with one shared model (a web service) take turns, because the hooks of one call
@@ -195,15 +201,18 @@ class DetectorInputSize(_SetAttributes):
 
     Each ``GeneralizedRCNNTransform`` in the model gets ``min_size = (size,)`` and a
     longer side of at most ``size`` times its own ratio of ``max_size`` to ``min_size``; a
-    fixed-size one (SSD) resizes to ``size x size``.
+    fixed-size one (SSD) resizes to ``size x size``. A letterboxing detector (Ultralytics',
+    :class:`~camviz.core.placement.CentredLetterbox`) fits its images in ``size x size``.
     """
 
     size: int
 
     def settings(self, model: nn.Module) -> Sequence[Setting]:
-        from camviz.core.placement import detector_transforms
+        from camviz.core.placement import detector_transforms, letterboxes
 
-        settings: list[Setting] = []
+        settings: list[Setting] = [
+            (letterbox, "size", self.size) for letterbox in letterboxes(model)
+        ]
         transform: Any  # torchvision's GeneralizedRCNNTransform
         for transform in detector_transforms(model):
             ratio = transform.max_size / transform.min_size[0]
@@ -281,6 +290,14 @@ class ForwardPrecision(ModelChange):
     def _close(saved: _OpenPasses) -> None:
         while saved.autocasts:
             saved.autocasts.pop().__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def no_grad() -> Iterator[None]:
+    """``torch.no_grad()`` for a pass of the user's model, with ordinary tensors even inside
+    a caller's ``torch.inference_mode()`` block (see the module docstring)."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def eval_mode(model: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:

@@ -11,11 +11,16 @@ grids cover that padded tensor, in which image ``n`` fills the top-left corner o
 resized size. A map is laid back on image ``n`` (:class:`Letterbox`) by upsampling it to
 the padded size, cropping that corner and resizing the crop to the image's own size.
 
+Ultralytics' YOLO models see each photo *letterboxed*: scaled to fit a square, aspect ratio
+kept, and padded on both sides with grey. camviz runs that step inside the model, as a
+:class:`CentredLetterbox` module (so that the map input is the photo itself); the image then
+lies centred in the padded square, at the offsets the module records.
+
 Which rule applies is recorded during a forward pass (:func:`recording`): a forward hook on
-every ``GeneralizedRCNNTransform`` in the model (found by type, so a detector inside a
-wrapper is found too) reads the padded size and the resized sizes from the ``ImageList`` it
-returns. The images the detector is given are taken to be the map input's samples (a
-wrapper that resizes them first is read as a stretch).
+every ``GeneralizedRCNNTransform`` and every :class:`CentredLetterbox` in the model (found
+by type, so a detector inside a wrapper is found too) reads the padded size and the resized
+sizes (and offsets) from what it returns. The images the detector is given are taken to be
+the map input's samples (a wrapper that resizes them first is read as a stretch).
 
 A batch of images of different sizes (a list given to a detector, see
 :mod:`camviz.core.inputs`) is a zero-padded canvas: sample ``n`` fills its top-left corner
@@ -88,19 +93,23 @@ class Stretch(Placement):
 
 @dataclass(frozen=True)
 class Letterbox(Placement):
-    """A detector's grid: it covers the padded batch, each image resized in its corner.
+    """A detector's grid: it covers the padded batch, each image resized in its corner (or,
+    with ``offsets``, at its offset).
 
     Attributes:
         padded: ``(Hp, Wp)``, the padded batch the detector's backbone ran on.
         resized: ``(h_n, w_n)`` of each sample inside it.
         original: ``(H_n, W_n)`` of each sample on the map input.
         canvas: The map input's spatial size (the largest image of a list).
+        offsets: ``(top_n, left_n)`` of each sample in the padded batch; ``None``: the
+            top-left corner (torchvision's detectors).
     """
 
     padded: Size
     resized: tuple[Size, ...]
     original: tuple[Size, ...]
     canvas: Size
+    offsets: tuple[Size, ...] | None = None
 
     def lay(
         self,
@@ -109,13 +118,15 @@ class Letterbox(Placement):
         size: Sequence[int] | None = None,
     ) -> torch.Tensor:
         indices = range(len(maps)) if samples is None else samples.tolist()
-        geometry = [(self.resized[n], self.original[n]) for n in indices]
+        offsets = self.offsets or ((0, 0),) * len(self.resized)
+        geometry = [(self.resized[n], self.original[n], offsets[n]) for n in indices]
         laid = maps.new_empty(len(maps), *self.canvas)
         for shape in dict.fromkeys(geometry):
-            (height, width), image_size = shape
+            (height, width), image_size, (top, left) = shape
             rows = [row for row, seen in enumerate(geometry) if seen == shape]
             index = torch.tensor(rows, device=maps.device)
-            crop = upsample(maps[index], self.padded)[:, :height, :width]
+            upsampled = upsample(maps[index], self.padded)
+            crop = upsampled[:, top : top + height, left : left + width]
             image = upsample(crop, image_size)
             # Edge values outside the image keep per-map statistics those of the image.
             pad = (0, self.canvas[1] - image_size[1], 0, self.canvas[0] - image_size[0])
@@ -139,6 +150,44 @@ def detector_transforms(model: nn.Module) -> list[nn.Module]:
     )
 
 
+def letterboxes(model: nn.Module) -> list[CentredLetterbox]:
+    """The model's :class:`CentredLetterbox` modules."""
+    return [module for module in model.modules() if isinstance(module, CentredLetterbox)]
+
+
+class CentredLetterbox(nn.Module):
+    """Ultralytics' letterbox as a module: each image of an ``(N, C, H, W)`` batch scaled to
+    fit ``size x size`` (aspect ratio kept, bilinear as OpenCV's ``INTER_LINEAR``), then
+    padded with ``fill`` on both sides, the odd pixel after the image (Ultralytics'
+    ``LetterBox(auto=False, center=True)``, its prediction default).
+
+    Args:
+        size: The side of the padded square, in pixels.
+        fill: The padding value, in the model's input scale (Ultralytics pads with 114 of
+            255).
+    """
+
+    def __init__(self, size: int, fill: float = 114 / 255) -> None:
+        super().__init__()
+        self.size = size
+        self.fill = fill
+
+    def geometry(self, height: int, width: int) -> tuple[Size, Size]:
+        """``((h, w), (top, left))``: an ``height x width`` image's size in the square and
+        where it starts, rounded as Ultralytics rounds them."""
+        scale = min(self.size / height, self.size / width)
+        resized = (max(round(height * scale), 1), max(round(width * scale), 1))
+        top, left = (round((self.size - extent) / 2 - 0.1) for extent in resized)
+        return resized, (top, left)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        (height, width), (top, left) = self.geometry(*images.shape[-2:])
+        if (height, width) != tuple(images.shape[-2:]):
+            images = F.interpolate(images, size=(height, width), mode="bilinear")
+        bottom, right = self.size - height - top, self.size - width - left
+        return F.pad(images, (left, right, top, bottom), value=self.fill)
+
+
 def takes_image_lists(model: nn.Module) -> bool:
     """Whether ``model`` is (or holds) a torchvision detector, which takes a list of images."""
     return bool(detector_transforms(model))
@@ -148,13 +197,19 @@ class Recorder:
     """What the detector transforms of a model saw during one forward pass."""
 
     def __init__(self) -> None:
-        self.seen: list[tuple[Size, tuple[Size, ...]]] = []
+        self.seen: list[tuple[Size, tuple[Size, ...], tuple[Size, ...] | None]] = []
 
     def hook(self, module: nn.Module, args: Any, output: Any) -> None:
         images = output[0]
         padded = tuple(int(extent) for extent in images.tensors.shape[-2:])
         resized = tuple(tuple(int(e) for e in size) for size in images.image_sizes)
-        self.seen.append((padded, resized))
+        self.seen.append((padded, resized, None))
+
+    def letterbox_hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        assert isinstance(module, CentredLetterbox)
+        resized, offset = module.geometry(*args[0].shape[-2:])
+        count = len(output)
+        self.seen.append((tuple(output.shape[-2:]), (resized,) * count, (offset,) * count))
 
     def placement(
         self, canvas: Sequence[int], image_sizes: Sequence[Sequence[int]] | None, count: int
@@ -179,7 +234,7 @@ class Recorder:
                 f"the model's detector transform ran {len(self.seen)} times in one forward "
                 "pass; camviz cannot tell which one the maps lie on (explain one detector)"
             )
-        ((padded, resized),) = self.seen
+        ((padded, resized, offsets),) = self.seen
         if len(resized) != count:
             raise CamvizError(
                 f"the model's detector transform saw {len(resized)} images for {count} "
@@ -190,7 +245,7 @@ class Recorder:
             if image_sizes is not None
             else (canvas,) * count
         )
-        return Letterbox(padded, resized, original, canvas)
+        return Letterbox(padded, resized, original, canvas, offsets)
 
 
 @contextlib.contextmanager
@@ -201,4 +256,6 @@ def recording(model: nn.Module) -> Iterator[Recorder]:
     with HookSet() as hooks:
         for transform in detector_transforms(model):
             hooks.add(transform.register_forward_hook(recorder.hook))
+        for letterbox in letterboxes(model):
+            hooks.add(letterbox.register_forward_hook(recorder.letterbox_hook))
         yield recorder

@@ -5,6 +5,7 @@ re-identification): the cosine similarity of the model's output embedding with a
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -26,8 +27,9 @@ class Similarity(TargetObject):
             (or ``(1, D)``) - or an input batch for the same model (a tensor with spatial
             axes, a tuple or a dict, as :func:`camviz.explain` takes them), which is run
             through the model first; one reference input serves every sample.
-        output_key: Where the embedding is in a tuple or dict output (see
-            :func:`camviz.core.targets.as_logits`).
+        output_key: Where the embedding is in a tuple or dict output; by default a dict's
+            ``image_embeds``, its one ``*_embeds`` or ``pooler_output`` (Hugging Face's
+            outputs), else what :func:`camviz.core.targets.as_logits` finds.
         name: What the reference is, for its ``repr`` (manifests record it); by default a
             digest of its values.
 
@@ -101,8 +103,24 @@ class Similarity(TargetObject):
         return self
 
     def embedding(self, output: Any) -> torch.Tensor:
-        """The ``(R, D)`` embeddings in a model output."""
-        return as_logits(output, self.output_key).flatten(1)
+        """The ``(R, D)`` embeddings in a model output: ``output[output_key]``, else in a dict
+        (Hugging Face's outputs) ``image_embeds``, its one ``*_embeds`` or ``pooler_output``,
+        else the output's scores (:func:`~camviz.core.targets.as_logits`)."""
+        what = "the embedding that the score compares with the reference"
+        if self.output_key is None and isinstance(output, Mapping):
+            embeds = [key for key in output if isinstance(key, str) and key.endswith("_embeds")]
+            named = (
+                "image_embeds"
+                if "image_embeds" in output
+                else embeds[0]
+                if len(embeds) == 1
+                else "pooler_output"
+                if "pooler_output" in output
+                else None
+            )
+            if named is not None:
+                return as_logits(output[named], what=what).flatten(1)
+        return as_logits(output, self.output_key, what=what).flatten(1)
 
     def __call__(self, output: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
         embedding = self.embedding(output)

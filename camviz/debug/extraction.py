@@ -18,7 +18,7 @@ from camviz.core.errors import CamvizError
 from camviz.core.hooks import capture
 from camviz.core.inputs import call_model
 from camviz.core.layers import Layer
-from camviz.core.modelstate import eval_mode
+from camviz.core.modelstate import eval_mode, no_grad
 from camviz.core.precision import Precision, at_least_fp32, model_precision
 
 
@@ -50,8 +50,8 @@ def features(
     The pass runs under ``torch.no_grad()``, so no autograd graph is kept, and with every
     module in eval mode (a BatchNorm in train mode would otherwise update its running
     statistics); the model comes back with its own flags and no hooks. The outputs are
-    ordinary tensors rather than ``inference_mode`` tensors, so they can feed a probe that is
-    trained with autograd.
+    ordinary tensors, never inference tensors (also when called inside
+    ``torch.inference_mode()``), so they can feed a probe that is trained with autograd.
 
     Args:
         model: Any ``nn.Module``; it need not be traceable by ``torch.fx``.
@@ -83,7 +83,7 @@ def features(
         model_precision(model, precision, channels_last),
         capture(model, layers, inputs=inputs_too, device=device) as record,
         eval_mode(model),
-        torch.no_grad(),
+        no_grad(),
     ):
         call_model(model, inputs)
     missing = [name for name in record.layers if name not in record.activations]

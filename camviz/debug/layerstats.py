@@ -30,7 +30,7 @@ from camviz.core.errors import CamvizError
 from camviz.core.hooks import tensors_in
 from camviz.core.inputs import call_model
 from camviz.core.layers import Layer, resolve_layers
-from camviz.core.modelstate import HookSet, eval_mode
+from camviz.core.modelstate import HookSet, eval_mode, no_grad
 from camviz.core.precision import Precision, model_precision
 from camviz.core.targets import Target, score_fns
 from camviz.io.atomic import atomic_write
@@ -259,7 +259,7 @@ def inspect(
     recorder = _Recorder(model, layers, gradients=backward)
     with model_precision(model, precision, channels_last), recorder, eval_mode(model):
         if not backward:
-            with torch.no_grad():
+            with no_grad():
                 call_model(model, inputs)
         else:
             with torch.enable_grad():
@@ -363,7 +363,7 @@ def find_first_nonfinite(
         model_precision(model, precision, channels_last),
         recorder,
         eval_mode(model),
-        torch.no_grad(),
+        no_grad(),
     ):
         call_model(model, inputs)
     rows = recorder.rows()

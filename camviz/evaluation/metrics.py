@@ -26,7 +26,9 @@ per input (``(N, H, W)`` at any resolution, upsampled bilinearly) and one target
 Scores are softmax probabilities of the target class by default, as in both papers;
 ``score="logit"`` uses the raw score instead (and allows a callable target). The perturbed
 images are built on the model's device and scored in batches of ``batch_size`` under
-``torch.inference_mode()``, with every module in eval mode; the model comes back as it was.
+``torch.no_grad()`` (never ``torch.inference_mode()``: see
+:func:`camviz.core.modelstate.no_grad`), with every module in eval mode; the model comes
+back as it was.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from torchvision.transforms.v2 import functional as TF  # noqa: N812 - the conve
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import as_batch
 from camviz.core.maps import upsample
-from camviz.core.modelstate import eval_mode
+from camviz.core.modelstate import eval_mode, no_grad
 from camviz.core.targets import Target, as_logits, score_fns
 
 __all__ = [
@@ -502,7 +504,7 @@ class _Context:
         ranks = torch.empty_like(order)
         positions = torch.arange(order.shape[1], device=order.device).expand_as(order)
         ranks.scatter_(1, order, positions)
-        with eval_mode(model), torch.inference_mode():
+        with eval_mode(model), no_grad():
             output = model(inputs)
         fns, ids = score_fns(target, output, output_key)
         if len(fns) != 1:
@@ -533,7 +535,7 @@ class _Context:
         ``samples[r]``."""
         rows = torch.arange(len(samples), device=samples.device)
         scores = []
-        with eval_mode(self.model), torch.inference_mode():
+        with eval_mode(self.model), no_grad():
             for batch in rows.split(self.batch_size):
                 scores.append(self.score_of(self.model(images(batch)), samples[batch]))
         return torch.cat(scores)

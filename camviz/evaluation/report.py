@@ -48,6 +48,7 @@ from camviz.cams.settings import ExplainSettings, settings_or_keywords
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import as_batch, run_model
 from camviz.core.layers import Layer
+from camviz.core.modelstate import no_grad
 from camviz.core.precision import Precision
 from camviz.core.targets import as_logits, class_name
 from camviz.evaluation.metrics import (
@@ -116,6 +117,9 @@ class Comparison:
         images: The images' file names.
         thumbnails: Each image, as a thumbnail.
         cells: One :class:`Cell` per image and method, image-major.
+        explained: What every map explains, for the page's introduction.
+        curve_score: What the curves follow: ``"probability"`` (of the class) or ``"score"``
+            (the raw score of a target that has no probability: a region, an object).
     """
 
     model: str
@@ -123,6 +127,8 @@ class Comparison:
     images: list[str]
     thumbnails: list[Image.Image] = field(repr=False)
     cells: list[Cell]
+    explained: str = "the model's top-1 class"
+    curve_score: str = "probability"
 
     def cell(self, image: int, method: int) -> Cell:
         """The cell of the ``image``-th image and ``method``-th method."""
@@ -260,7 +266,7 @@ def _top_class(model: nn.Module, inputs: torch.Tensor, label: str) -> tuple[torc
     Raises:
         CamvizError: The output is not finite.
     """
-    with torch.inference_mode():
+    with no_grad():
         probabilities = as_logits(run_model(model, inputs)).softmax(dim=-1)[0]
     if not bool(torch.isfinite(probabilities).all()):
         raise CamvizError(
@@ -354,7 +360,7 @@ def report_html(comparison: Comparison) -> str:
         heading=html.escape(title),
         intro=html.escape(
             f"{len(comparison.images)} image(s) x {len(comparison.methods)} method(s), each "
-            "explained for the model's top-1 class. Curves: probability of that class as "
+            f"explained for {comparison.explained}. Curves: {comparison.curve_score} of it as "
             "pixels are deleted (red) or inserted (blue), most important first."
         ),
         summary=_summary_table(comparison),

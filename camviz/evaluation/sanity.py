@@ -42,7 +42,7 @@ from camviz.core.errors import CamvizError
 from camviz.core.hooks import tensors_in
 from camviz.core.inputs import as_batch
 from camviz.core.layers import Layer, resolve_layers
-from camviz.core.modelstate import eval_mode
+from camviz.core.modelstate import eval_mode, no_grad
 from camviz.core.targets import Context, Target, as_target
 
 __all__ = [
@@ -256,7 +256,7 @@ def _fixed_target(target: Target, model: nn.Module, inputs: torch.Tensor) -> Tar
     chosen = as_target(target)
     if not chosen.picks_classes:
         return target
-    with eval_mode(model), torch.inference_mode():
+    with eval_mode(model), no_grad():
         output = model(inputs)
     ids = chosen.resolve(output, Context(batch_size=len(inputs))).class_ids
     return target if ids is None else ids.clone()
@@ -311,7 +311,7 @@ class _FirstUse(CallMode):
 def _first_use(model: nn.Module, inputs: torch.Tensor) -> dict[int, int]:
     """``{id(parameter): rank of its first use}`` in one forward pass of one sample."""
     recorder = _FirstUse({id(parameter) for parameter in model.parameters()})
-    with eval_mode(model), torch.inference_mode(), recorder:
+    with eval_mode(model), no_grad(), recorder:
         model(inputs[:1])
     return recorder.order
 

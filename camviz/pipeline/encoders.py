@@ -1,16 +1,17 @@
 """The files of a folder job: pictures and maps encoded atomically, each marked as camviz's.
 
 Every picture and map the job writes carries :data:`MARK` (a PNG ``Software`` text chunk, a
-JPEG comment, the comment of an ``.npz`` archive), invisible to image viewers and
-``np.load``. A file named like an output that no manifest row lists is then told apart
-without guessing: with the mark it is what an interrupted run wrote before its row (camviz
-writes it again), without it the user's own file (camviz never replaces it, see
+JPEG comment, the comment of an ``.npz`` archive, a NIfTI header's ``descrip``), invisible to
+image viewers and ``np.load``. A file named like an output that no manifest row lists is
+then told apart without guessing: with the mark it is what an interrupted run wrote before
+its row (camviz writes it again), without it the user's own file (camviz never replaces it, see
 :func:`existing_outputs`). Videos carry no mark; one named like an output counts as camviz's
 in a folder that camviz's manifest says it uses.
 """
 
 from __future__ import annotations
 
+import gzip
 import os
 import zipfile
 from collections.abc import Collection
@@ -22,6 +23,7 @@ from PIL import Image, PngImagePlugin
 
 from camviz.io.atomic import atomic_write
 from camviz.io.images import PathLike
+from camviz.io.volumes import Volume, write_volume
 from camviz.pipeline.naming import VIDEO_SUFFIX, output_owners
 
 #: What marks a file as written by a camviz folder job.
@@ -74,15 +76,28 @@ def save_heatmap(heatmap: torch.Tensor, path: PathLike) -> Path:
     return path
 
 
+def save_volume_heatmap(heatmap: torch.Tensor, like: Volume, path: Path) -> None:
+    """Write a volume's map as a float32 NIfTI with the scan's geometry, atomically and
+    marked (see :func:`camviz.io.volumes.write_volume`)."""
+    write_volume(path, heatmap.detach().to("cpu", torch.float32).numpy(), like, MARK)
+
+
+# Where a NIfTI-1 header keeps its description, and how long it is.
+_DESCRIPTION = slice(148, 228)
+
+
 def is_marked(path: Path) -> bool:
     """Whether ``path`` carries :data:`MARK` (an unreadable file does not)."""
     try:
         if path.suffix == ".npz":
             with zipfile.ZipFile(path) as archive:
                 return archive.comment == MARK.encode()
+        if path.name.endswith(".nii.gz"):
+            with gzip.open(path) as file:
+                return file.read(348)[_DESCRIPTION].rstrip(b"\0") == MARK.encode()
         with Image.open(path) as image:
             found = image.info.get("Software") or image.info.get("comment")
-    except (OSError, ValueError, zipfile.BadZipFile, Image.DecompressionBombError):
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, Image.DecompressionBombError):
         return False
     return found in (MARK, MARK.encode())
 

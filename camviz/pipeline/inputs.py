@@ -11,7 +11,9 @@ An *input* is one of:
 * a video (``.mp4``, ``.avi``, ``.mov``, ``.mkv``, ``.webm``, ...): every frame, or every
   n-th, becomes its own item; for a video model, every clip of ``clip_len`` frames, one
   starting every ``stride`` frames (and one ending with the video), becomes one (named
-  after its first frame).
+  after its first frame);
+* a NIfTI volume (``.nii``, ``.nii.gz``), one item named without ``.nii`` or ``.nii.gz``
+  (see :mod:`camviz.pipeline.volumes`).
 
 Inputs that cannot be expanded (a missing file, a pattern that matches nothing, a video
 OpenCV cannot open, anything that is not a regular file: a FIFO, a socket, a device, or a
@@ -56,6 +58,7 @@ from PIL import Image
 
 from camviz.core.errors import CamvizError
 from camviz.io.files import not_a_regular_file
+from camviz.io.volumes import is_volume, volume_stem
 from camviz.pipeline.naming import rank_clash
 
 #: File extensions taken as videos; everything else is read as an image.
@@ -200,13 +203,13 @@ def _expand_one(source: str, every: int, lists: bool) -> Iterator[_File]:
     path = Path(source)
     if path.is_dir():
         for file in _walk(path):
-            yield _file(str(file), every, file.relative_to(path).with_suffix("").as_posix())
+            yield _file(str(file), every, _stem(file.relative_to(path)))
     elif path.exists() or path.is_symlink():
         if lists and path.is_file() and path.suffix.lower() in LIST_SUFFIXES:
             for line in _read_list(path):
                 yield from _expand_one(line, every, lists=False)
         else:
-            yield _file(source, every, path.stem)
+            yield _file(source, every, _stem(Path(path.name)))
     elif _GLOB_CHARACTERS & set(source):
         matches = sorted(glob.glob(source, recursive=True))
         found = [match for match in matches if Path(match).is_dir() or _is_media(Path(match))]
@@ -266,11 +269,19 @@ def _read_list(path: Path) -> list[str]:
     ]
 
 
+def _stem(relative: Path) -> str:
+    """The output stem of a file at ``relative`` (sub-folders kept, the extension dropped:
+    both of ``.nii.gz``)."""
+    name = volume_stem(relative) if is_volume(relative) else relative.stem
+    return (relative.parent / name).as_posix()
+
+
 def _is_media(path: Path) -> bool:
-    """Whether ``path`` has an image or video extension (and exists, whatever its type)."""
+    """Whether ``path`` has an image, video or volume extension (and exists, whatever its
+    type)."""
     suffix = path.suffix.lower()
     return (path.exists() or path.is_symlink()) and (
-        suffix in VIDEO_SUFFIXES or suffix in _image_suffixes()
+        suffix in VIDEO_SUFFIXES or suffix in _image_suffixes() or is_volume(path)
     )
 
 

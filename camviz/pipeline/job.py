@@ -108,7 +108,7 @@ from camviz.io.pictures import (
     panel_image,
 )
 from camviz.io.video import frame_rate
-from camviz.pipeline import distributed, lock, manifest
+from camviz.pipeline import distributed, lock, manifest, merging
 from camviz.pipeline.dataset import ImageResult, ItemDataset, Prediction, explain_dataset
 from camviz.pipeline.encoders import existing_outputs, save_heatmap, save_jpeg
 from camviz.pipeline.encoders import save_png as _save_png
@@ -117,6 +117,7 @@ from camviz.pipeline.naming import VIDEO_SUFFIX, result_files
 from camviz.pipeline.settings import HeatmapFormat, JobSettings, Outputs, RenderOptions
 from camviz.pipeline.tasks import TaskOptions, clip_spec, fit_task, prepared
 from camviz.pipeline.videos import write_videos
+from camviz.pipeline.volumes import explain_volume, is_volume_item, write_volume_files
 
 # The names this module always offered, now made in the modules beside it.
 __all__ = [
@@ -287,7 +288,7 @@ def _run(
 ) -> None:
     """The job, once the folder is held: resume, explain what is left, merge, finish."""
     manifest.check_settings(out, recorded)
-    done = manifest.finished(out, manifest.read_rows(out))
+    done = manifest.done_keys(out)
     if context.is_main:
         manifest.remove_temporaries(out)
     todo = [index for index, item in enumerate(items) if item.key not in done]
@@ -343,6 +344,12 @@ class _Job:
         """Explain the items at ``indices`` with ``options`` for :func:`camviz.explain`."""
         from camviz.pipeline.writer import Writer
 
+        volumes = {index for index in indices if is_volume_item(self.items[index])}
+        for index in sorted(volumes):
+            self._volume(index, options)
+        indices = [index for index in indices if index not in volumes]
+        if not indices:
+            return
         settings = self.settings
         results = explain_dataset(
             self.loaded,
@@ -368,15 +375,32 @@ class _Job:
                         self.explained += 1
                         writer.submit(self._write, result)
                     else:
-                        row = _row(self.items[result.index], result, [])
-                        self.failures.append(row)
-                        if self.log is not None:
-                            self.log.append(row)
+                        self._failed(_row(self.items[result.index], result, []))
         except BaseException:
             if self.log is not None:
                 self.log.close(check=False)
                 self.log = None
             raise
+
+    def _volume(self, index: int, options: dict[str, Any]) -> None:
+        """Explain one NIfTI volume, write its files and its row (see
+        :mod:`camviz.pipeline.volumes`); a volume that fails gets a failed row."""
+        item = self.items[index]
+        try:
+            result = explain_volume(self.loaded, item.path, self.settings, options)
+        except CamvizError as error:
+            self._failed(_row(item, ImageResult(index, item.path, None, "error", str(error)), []))
+            return
+        self._open()
+        assert self.log is not None  # _open made it
+        self.explained += 1
+        explained = write_volume_files(self.out, item.name, result, self.settings, self.clip)
+        self.log.append({**_row(item, result.outcome(index), explained), **result.row_fields()})
+
+    def _failed(self, row: dict[str, Any]) -> None:
+        self.failures.append(row)
+        if self.log is not None:
+            self.log.append(row)
 
     def close(self) -> None:
         """Write the rows of failed inputs if nothing opened the folder yet; close the log."""
@@ -423,7 +447,7 @@ class _Job:
             result.explained, result.heatmaps, names.ranks, strict=True
         ):
             self._write_files(files, item, result, prediction, heatmap)
-            entry = {**_prediction(prediction), "files": files}
+            entry = {**prediction.fields(), "files": files}
             if not bool(heatmap.any()):  # a picture of it shows nothing: say so
                 entry["empty"] = True
             explained.append(entry)
@@ -516,24 +540,12 @@ def drawing_device(device: torch.device | None) -> torch.device | None:
     return device if device is not None and device.type == "cuda" else None
 
 
-def _prediction(prediction: Prediction) -> dict[str, Any]:
-    entry = {
-        "id": prediction.id,
-        "name": prediction.name,
-        "score": prediction.score,
-        "probability": prediction.probability,
-    }
-    if prediction.box is not None:
-        entry["box"] = [round(value, 2) for value in prediction.box]
-    return entry
-
-
 def _row(
     item: Item, result: ImageResult, explained: list[dict[str, Any]], others: Sequence[str] = ()
 ) -> dict[str, Any]:
     """The manifest row of one input (see the module docstring); ``others``: files of the
     whole input (a detection panel)."""
-    top = [_prediction(prediction) for prediction in result.top]
+    top = [prediction.fields() for prediction in result.top]
     return {
         **manifest.input_fields(item.path),
         "frame": item.frame,
@@ -554,13 +566,10 @@ def _finish(
 ) -> None:
     """Merge the rows, write the overlay videos and the complete ``manifest.json``."""
     previous = manifest.read_summary(out) or {}
-    rows, others, skipped = manifest.merge(out, [item.key for item in items])
+    merged = merging.merge(out, [item.key for item in items], manifest.summary_files(previous))
     stride = settings.get("stride")
-    videos = write_videos(out, items, rows, every, stride) if settings["overlay"] else []
-    earlier = manifest.earlier_files(previous, others)
-    manifest.write_summary(
-        out, manifest.summary(out, settings, rows, earlier, videos, already_done, skipped)
-    )
+    videos = write_videos(out, items, merged.overlays, every, stride) if settings["overlay"] else []
+    manifest.write_summary(out, manifest.summary(out, settings, merged, videos, already_done))
 
 
 def check_out_dir(out: Path) -> None:

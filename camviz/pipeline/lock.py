@@ -9,10 +9,16 @@ time and a random token. While the job runs, a thread touches the file every
 
 A job that finds a lock takes it over only if the lock is *stale*:
 
-* its holder ran on this host and that process is gone (a job killed with ``kill -9`` can
-  be rerun at once), or
+* its holder ran on this machine and that process is gone (a job killed with ``kill -9``
+  can be rerun at once), or
 * its heartbeat is older than :data:`STALE` seconds (the holder's host may be another
   machine sharing the folder, where its process id means nothing, or the holder hung).
+
+"This machine" is the host name *and* the running kernel's boot id and process-id namespace
+(:func:`machine`): nodes of a cluster, containers and the two launchers of a ``torchrun
+--nnodes=2`` test may share a host name, and a process id of one means nothing on another,
+so a lock of another machine, live or not, is judged by its heartbeat only. A lock without
+that field (written by an older camviz) is judged by its host name, as it was.
 
 Otherwise the job stops with a :class:`~camviz.core.errors.CamvizError` saying who holds
 the folder, and touches nothing in it. A takeover renames the stale lock away and checks
@@ -20,7 +26,8 @@ that it renamed the lock it judged stale, so two jobs that find one stale lock a
 cannot both take it.
 
 Under ``torchrun`` the processes of one job share the folder: the rank-0 process takes the
-lock for all of them, and every process learns whether it got it.
+lock for all of them, on whichever node it runs, and every process learns whether it got it;
+no other rank ever reads or touches the lock.
 """
 
 from __future__ import annotations
@@ -104,6 +111,7 @@ class _Holder:
     def _acquire(self) -> None:
         content = {
             "host": socket.gethostname(),
+            "machine": machine(),
             "pid": os.getpid(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "token": self.token,
@@ -155,9 +163,24 @@ def _is_stale(holder: dict[str, Any] | None, modified: float) -> bool:
         return True
     if holder is None:
         return False  # being written right now, or not ours to judge: wait for the heartbeat
-    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+    same_machine = (
+        holder.get("host") == socket.gethostname() and holder.get("machine", machine()) == machine()
+    )
+    if same_machine and isinstance(holder.get("pid"), int):
         return not _process_exists(holder["pid"])
     return False
+
+
+def machine() -> str:
+    """Which running kernel and process-id namespace this process sees: its process ids
+    are the ones a lock's ``pid`` names only when this matches (empty where ``/proc`` does
+    not tell, then the host name alone decides)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return f"{boot}/{namespace}"
 
 
 def _process_exists(pid: int) -> bool:

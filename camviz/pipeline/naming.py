@@ -2,7 +2,8 @@
 
 An input named ``NAME`` (unique in the run, see :mod:`camviz.pipeline.inputs`) gets, per
 explained map, ``NAME_overlay.png``, ``NAME_panel.jpg`` and ``NAME_heatmap.npz`` (or
-``.png``), as :class:`~camviz.pipeline.settings.Outputs` asks; several maps (a ``topK``
+``.png``), as :class:`~camviz.pipeline.settings.Outputs` asks (a NIfTI volume:
+``NAME_heatmap.nii.gz`` and ``NAME_montage.png``); several maps (a ``topK``
 target, several detected objects) are ``NAME_rankR_...``; a clip's overlay is
 ``NAME_overlay.mp4``; a detector's image also gets one ``NAME_panel.jpg`` of all its
 objects; a video ``V`` gets ``V_overlay.mp4``. The names depend on nothing but the input's
@@ -22,8 +23,12 @@ if TYPE_CHECKING:  # the settings know the tasks, whose items are named here
 #: The suffix of overlay videos.
 VIDEO_SUFFIX = ".mp4"
 
-# How outputs are named: NAME_overlay.png, NAME_rank2_panel.jpg, NAME_heatmap.npz.
-_OUTPUT_FILE = re.compile(r"(.+?)(_rank\d+)?_(?:overlay|panel|heatmap)\.(?:png|jpg|npz|mp4)")
+# How outputs are named: NAME_overlay.png, NAME_rank2_panel.jpg, NAME_heatmap.npz, and a
+# volume's NAME_heatmap.nii.gz and NAME_montage.png.
+_OUTPUT_FILE = re.compile(
+    r"(.+?)(_rank\d+)?_(?:(?:overlay|panel|heatmap)\.(?:png|jpg|npz|mp4)|heatmap\.nii\.gz"
+    r"|montage\.png)"
+)
 
 # A name that a rank suffix could have made from another: NAME_rank3.
 _RANKED = re.compile(r"(.+)_rank\d+")
@@ -70,6 +75,15 @@ def result_files(
         files.append(chosen)
     whole = [f"{name}_panel.jpg"] if outputs.panel and boxes and ranks else []
     return ResultFiles(files, whole)
+
+
+def volume_files(name: str, outputs: Outputs) -> dict[str, str]:
+    """The files of a volume named ``name``: its map as NIfTI, always, and the montage of
+    its slices with the map when overlays are drawn."""
+    files = {"heatmap": f"{name}_heatmap.nii.gz"}
+    if outputs.overlay:
+        files["montage"] = f"{name}_montage.png"
+    return files
 
 
 def video_file(video: str) -> str:

@@ -39,6 +39,18 @@ class Prediction:
     probability: float | None
     box: list[float] | None = None
 
+    def fields(self) -> dict[str, Any]:
+        """The prediction as a manifest row shows it (a box rounded to hundredths)."""
+        entry: dict[str, Any] = {
+            "id": self.id,
+            "name": self.name,
+            "score": self.score,
+            "probability": self.probability,
+        }
+        if self.box is not None:
+            entry["box"] = [round(value, 2) for value in self.box]
+        return entry
+
 
 @dataclass
 class ImageResult:
@@ -129,7 +141,11 @@ def results_of(
     heatmaps = explanation.heatmaps.detach().cpu()
     finite = _finite_per_sample(logits, explanation.scores, heatmaps, len(samples))
     results = []
+    reasons = explanation.reasons or [None] * len(samples)
     for position, sample in enumerate(samples):
+        if reasons[position] is not None:  # chosen in the pass: nothing to explain
+            results.append(nothing(sample, reasons[position], items, share))
+            continue
         if not finite[position]:
             results.append(failed(sample, _NOT_FINITE, items))
             continue

@@ -25,6 +25,7 @@ from camviz.core.taps import spot_keys
 from camviz.core.targets import Target
 from camviz.io.models import LoadedModel
 from camviz.pipeline.tasks import TaskOptions
+from camviz.pipeline.volumes import VolumeOptions
 
 __all__ = ["HeatmapFormat", "JobSettings", "Outputs", "RenderOptions"]
 
@@ -78,6 +79,7 @@ class JobSettings(ExplainSettings):
             (``clip_len``, ``stride``).
         input_size: Scale images (frames) to this many pixels on their shorter side instead
             of the model's size (for a detector: its own resize).
+        volumes: For NIfTI volumes: the intensity window and the sliding windows.
     """
 
     target: Target = None
@@ -90,6 +92,7 @@ class JobSettings(ExplainSettings):
     progress: bool | None = False
     task_options: TaskOptions = field(default_factory=TaskOptions)
     input_size: int | None = None
+    volumes: VolumeOptions = field(default_factory=VolumeOptions)
 
     def check(self, loaded: LoadedModel) -> dict[str, Any]:
         """Refuse, before any work, settings that no input could succeed with; returns the
@@ -100,12 +103,18 @@ class JobSettings(ExplainSettings):
         folder would record a layer the model does not have.
 
         Raises:
-            CamvizError: An unknown method or layer, a bad memory budget or precision, or an
-                output the model's task cannot have.
+            CamvizError: An unknown method or layer, a bad memory budget or precision, an
+                output the model's task cannot have, or a class target for an embedding.
         """
         (options,) = self.method_options(loaded.model, [self.method]).values()
         if self.layer is not None:
             spot_keys(loaded.model, self.layer, "output")
+        if loaded.task == "embedding" and (self.target is None or isinstance(self.target, str)):
+            raise CamvizError(
+                f"{loaded.name} answers an image embedding, not classes; explain why each input "
+                "looks like another image: --similar-to IMAGE (target=camviz.Similarity(...) in "
+                "Python)"
+            )
         if loaded.task == "video" and self.outputs.heatmap == "png16":
             raise CamvizError(
                 f"{loaded.name} is a video model: its maps have a time axis, which a 16-bit "
@@ -134,6 +143,8 @@ class JobSettings(ExplainSettings):
         }
         if self.input_size is not None:
             settings["input_size"] = self.input_size
+        if self.layout is not None:
+            settings["layout"] = self.layout
         if loaded.task != "classification":
             settings["task"] = loaded.task
         if loaded.task == "detection":
@@ -141,6 +152,8 @@ class JobSettings(ExplainSettings):
             settings.update(min_score=options.min_score, max_objects=options.max_objects)
         if clips is not None:
             settings.update(clip_len=clips[0], stride=clips[1])
+        if self.volumes.recorded():
+            settings["volumes"] = self.volumes.recorded()
         return json.loads(json.dumps(settings))
 
 

@@ -1,8 +1,9 @@
 """What a folder job explains for each task of :data:`camviz.models.Task`, beyond classes.
 
-A classifier's batch is explained in one call with the user's target. The other tasks first
-look at the model's answer (one forward pass without gradients, at the run's precision) and
-then decide what to explain, sample by sample (:func:`plan`):
+A classifier's batch is explained in one call with the user's target. For the other tasks,
+what to explain is decided from the model's answer, sample by sample: :func:`plan` decides it
+from a separate forward pass (without gradients, at the run's precision), and the folder job
+decides it inside the explaining pass, with the same rules (:mod:`camviz.pipeline.choosing`):
 
 * **segmentation**: the region the model predicts as one class, ``Region(class_id, mask)``
   with ``mask = argmax over classes == class_id`` at the output's grid. The class is the one
@@ -32,6 +33,7 @@ from camviz.core.errors import CamvizError
 from camviz.core.modelstate import Attributes, changed
 from camviz.core.targets import Region, Target, as_logits
 from camviz.io.models import DEFAULT_CLIP_LEN, LoadedModel, Task, with_input_size
+from camviz.io.volumes import is_volume
 from camviz.pipeline.inputs import Item
 
 #: The class name torchvision's segmentation and detection weights give the background.
@@ -141,19 +143,30 @@ def class_id(target: Target, categories: Sequence[str]) -> int | None:
 def _segmentation(output: Any, target: Target, categories: Sequence[str]) -> list[Group]:
     predicted = as_logits(output).argmax(1)  # (N, H, W) at the output's grid
     chosen = class_id(target, categories)
-    background = categories.index(BACKGROUND) if BACKGROUND in categories else None
     by_class: dict[int, list[int]] = {}
     groups = []
     for position, classes in enumerate(predicted):
-        found = chosen if chosen is not None else _largest_class(classes, background)
-        if found is None or not bool((classes == found).any()):
-            what = "any class but the background" if found is None else repr(categories[found])
-            groups.append(Group([position], None, reason=f"no pixel is predicted as {what}"))
+        found, reason = region_class(classes, chosen, categories)
+        if found is None:
+            groups.append(Group([position], None, reason=reason))
         else:
             by_class.setdefault(found, []).append(position)
     for found, positions in by_class.items():
         groups.append(Group(positions, Region(found, predicted[positions] == found)))
     return groups
+
+
+def region_class(
+    classes: torch.Tensor, chosen: int | None, categories: Sequence[str]
+) -> tuple[int | None, str | None]:
+    """The class whose predicted region of one ``(H, W)`` prediction is explained, or why
+    there is none."""
+    background = categories.index(BACKGROUND) if BACKGROUND in categories else None
+    found = chosen if chosen is not None else _largest_class(classes, background)
+    if found is None or not bool((classes == found).any()):
+        what = "any class but the background" if found is None else repr(categories[found])
+        return None, f"no pixel is predicted as {what}"
+    return found, None
 
 
 def _largest_class(classes: torch.Tensor, background: int | None) -> int | None:
@@ -172,21 +185,31 @@ def _detection(
     label = class_id(target, categories)
     groups = []
     for position, found in enumerate(outputs):
-        scores, labels = found["scores"].tolist(), found["labels"].tolist()
-        # Detectors return their detections best first; keep that order.
-        kept = [
-            index
-            for index, (score, kind) in enumerate(zip(scores, labels, strict=True))
-            if score >= options.min_score and (label is None or kind == label)
-        ][: options.max_objects]
+        kept = kept_detections(found, label, options)
         if not kept:
-            what = "" if label is None else f" of class {categories[label]!r}"
-            reason = f"no object{what} scored {options.min_score:g} or more"
+            reason = no_object_reason(label, categories, options)
             groups.append(Group([position], None, reason=reason))
             continue
         boxes = found["boxes"][kept].detach().float().cpu().tolist()
         groups.append(Group([position], Detection(kept), boxes=boxes))
     return groups
+
+
+def kept_detections(found: Any, label: int | None, options: TaskOptions) -> list[int]:
+    """The indices of one image's detections that are explained: scored ``min_score`` or
+    more, of class ``label`` if given, at most ``max_objects``, in the detector's order
+    (best first)."""
+    scores, labels = found["scores"].tolist(), found["labels"].tolist()
+    return [
+        index
+        for index, (score, kind) in enumerate(zip(scores, labels, strict=True))
+        if score >= options.min_score and (label is None or kind == label)
+    ][: options.max_objects]
+
+
+def no_object_reason(label: int | None, categories: Sequence[str], options: TaskOptions) -> str:
+    what = "" if label is None else f" of class {categories[label]!r}"
+    return f"no object{what} scored {options.min_score:g} or more"
 
 
 @contextmanager
@@ -237,18 +260,30 @@ def clip_spec(
 def fit_task(items: list[Item], task: Task, model_name: str) -> list[Item]:
     """``items``, with a reason on each input the model's task cannot take.
 
-    A video model takes clips, not still images; detectors and segmentation models take
+    A video model takes clips, not still images (a NIfTI volume is no clip: it is explained
+    as a volume); a volume model takes NIfTI volumes only; detectors and segmentation models take
     still images, not videos (a video's frames become one item for the whole video, so it
     is listed once).
     """
-    if task == "video":
+    if task == "video":  # a NIfTI scan is a volume, never a clip
         return [
             replace(
                 item,
                 reason=f"{item.path} is a still image; {model_name} is a video model, "
                 "which explains clips of videos (.mp4, .avi, ...): pass videos",
             )
-            if item.frame is None and item.reason is None
+            if item.frame is None and item.reason is None and not is_volume(item.path)
+            else item
+            for item in items
+        ]
+    if task == "volume":
+        return [
+            replace(
+                item,
+                reason=f"{item.path} is no NIfTI volume; {model_name} is a volume model, "
+                "which explains 3-D scans (.nii, .nii.gz): pass those",
+            )
+            if item.reason is None and not is_volume(item.path)
             else item
             for item in items
         ]

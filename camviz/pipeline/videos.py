@@ -21,29 +21,26 @@ from camviz.pipeline.naming import video_file
 
 
 def write_videos(
-    out: Path, items: list[Item], rows: list[dict[str, Any]], every: int, stride: int | None
+    out: Path, items: list[Item], overlays: dict[str, str], every: int, stride: int | None
 ) -> list[dict[str, Any]]:
-    """One overlay video per input video, in order: from its explained frames' overlays or,
+    """One overlay video per input video, in order: from its explained frames' overlays
+    (``overlays``: the first overlay file of each explained frame or clip, by input key) or,
     for a video model (``stride`` given), from its clips' overlay videos, each clip up to
     where the next one starts, so that every frame shows once."""
-    by_key = {manifest.row_key(row): row for row in rows}
     # video name -> (path, [(overlay file, frame or clip start)])
     frames: dict[str, tuple[str, list[tuple[str, int]]]] = {}
     for item in items:
-        row = by_key.get(item.key)
-        if item.video is None or item.frame is None or row is None or not row["explained"]:
-            continue
-        overlay_file = row["explained"][0]["files"].get("overlay")
-        if isinstance(overlay_file, str):
+        overlay_file = overlays.get(item.key)
+        if item.video is not None and item.frame is not None and overlay_file is not None:
             frames.setdefault(item.video, (item.path, []))[1].append((overlay_file, item.frame))
     videos = []
-    for name, (path, overlays) in frames.items():
+    for name, (path, shown) in frames.items():
         video = video_file(name)
         if stride is None:
-            pictures: Iterable[Path | Image.Image] = (out / file for file, _ in overlays)
+            pictures: Iterable[Path | Image.Image] = (out / file for file, _ in shown)
             fps = frame_rate(path) / every
         else:
-            pictures, fps = _clip_frames(out, overlays), frame_rate(path)
+            pictures, fps = _clip_frames(out, shown), frame_rate(path)
         count = write_video(pictures, out / video, fps)
         entry = {**manifest.input_fields(path), "frames": count, "every": every, "file": video}
         videos.append(entry if stride is None else {**entry, "every": 1, "stride": stride})

@@ -4,7 +4,7 @@ the unit's Grad-CAM map beside each crop.
 The maps cost one explanation per kept image, whatever the number of units it is kept for:
 an image among the top images of several channels of one layer is explained once, for a
 :class:`~camviz.Unit` of those channels (one map per channel from one forward pass), at the
-last layer before the unit's (:func:`camviz.core.layers.default_target_layer`).
+default layer of a unit: the last one before the unit's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 
 from camviz.cams.engine import explain
-from camviz.core.layers import default_target_layer
 from camviz.core.targets.unit import Unit
 from camviz.io.pictures import overlay
 from camviz.units.fields import ReceptiveField
@@ -97,19 +96,14 @@ def example_maps(
 def _unit_maps(
     model: nn.Module, inputs: torch.Tensor, units: Sequence[Unit], method: str
 ) -> list[torch.Tensor]:
-    """Each unit's map on one image, at the last layer before the unit's: channels of one
-    layer from one explanation (one map per channel), other units one by one."""
+    """Each unit's map on one image, at the default layer (the last one before the unit's):
+    channels of one layer from one explanation (one map per channel), other units one by
+    one."""
     layers = {unit.layer for unit in units}
     if len(layers) == 1 and all(unit.channel is not None for unit in units):
-        layer = units[0].layer
-        joined = Unit(layer, channel=[unit.channels[0] for unit in units])
-        before = default_target_layer(model, inputs, before=layer)
-        return list(explain(model, inputs, method=method, layer=before, target=joined).heatmaps)
-    maps = []
-    for unit in units:
-        before = default_target_layer(model, inputs, before=unit.layer)
-        maps.append(explain(model, inputs, method=method, layer=before, target=unit).heatmaps[0])
-    return maps
+        joined = Unit(units[0].layer, channel=[unit.channels[0] for unit in units])
+        return list(explain(model, inputs, method=method, target=joined).heatmaps)
+    return [explain(model, inputs, method=method, target=unit).heatmaps[0] for unit in units]
 
 
 def _photo_box(

@@ -44,7 +44,7 @@ from camviz.io.atomic import atomic_write
 from camviz.io.images import load_image
 from camviz.io.models import LoadedModel
 from camviz.io.output import save
-from camviz.pipeline import distributed, lock, manifest
+from camviz.pipeline import distributed, lock, manifest, merging
 from camviz.pipeline.dataset import ItemDataset
 from camviz.pipeline.inputs import Item, expand
 from camviz.units.fields import ReceptiveField, receptive_field
@@ -182,7 +182,7 @@ def _scan(
     paths = [item.path for item in items]
     checkpoint = out / _CHECKPOINT.format(rank=context.rank)
     scan.heaps = _read_heaps(checkpoint, paths, len(job.channels), job.k)
-    done = manifest.finished(out, manifest.read_rows(out))
+    done = manifest.done_keys(out)
     todo = distributed.shard([i for i, item in enumerate(items) if item.key not in done], context)
     rows = manifest.RowLog(manifest.log_path(out, context.rank, context.world_size))
     pending: list[dict[str, Any]] = []
@@ -368,22 +368,18 @@ def _read(example: Example) -> Image.Image:
 
 def _finish(out: Path, items: Sequence[Item], results: dict[str, Any]) -> None:
     """The index page, the merged rows and the summary."""
-    rows, _, skipped = manifest.merge(out, [item.key for item in items])
+    merged = merging.merge(out, [item.key for item in items], earlier=[])
     images = [entry["image"] for entry in results["channels"]]
     with atomic_write(out / INDEX, "w") as file:
         file.write(_index_html(results))
-    counts = {
-        "inputs": len(items),
-        "scanned": sum(row.get("status") == "ok" for row in rows),
-        "failed": sum(row.get("status") == "error" for row in rows),
-    }
+    counts = {"inputs": len(items), "scanned": merged.ok, "failed": len(merged.failures)}
     summary = {
         "settings": results["settings"],
         "complete": True,
         "counts": counts,
-        "skipped_rows": skipped,
+        "skipped_rows": merged.skipped,
         "rows": manifest.ROWS,
-        "failures": [row for row in rows if row.get("status") == "error"],
+        "failures": merged.failures,
         "other_files": [RESULTS, INDEX, *images],
     }
     manifest.write_summary(out, summary)

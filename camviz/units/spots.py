@@ -12,7 +12,7 @@ from torch import nn
 from camviz.core.errors import CamvizError
 from camviz.core.grids import as_spatial, patch_size
 from camviz.core.inputs import as_inputs
-from camviz.core.layouts import spot_kind
+from camviz.core.layouts import spot_reading
 from camviz.core.taps import edit_spots
 
 __all__ = ["outputs_at", "spatial_view"]
@@ -66,7 +66,7 @@ def spatial_view(
     """``tensor`` (the output or input at ``spot`` for the batch ``inputs``) as
     ``(N, C, *grid)``: channels first as it is, channels last moved, tokens on their patch
     grid without the leading tokens. The layout is told as the engine tells it, from the
-    module, or from the module calls of one dry pass (:func:`camviz.core.layouts.spot_kind`).
+    module, or from the module calls of one dry pass (:func:`camviz.core.layouts.spot_reading`).
     """
-    kind = spot_kind(model, spot, as_inputs(inputs, model))
-    return as_spatial(tensor, spot, inputs.shape[2:], patch_size(model), kind)
+    told = spot_reading(model, spot, as_inputs(inputs, model))
+    return as_spatial(tensor, spot, inputs.shape[2:], patch_size(model), told.kind, told.tokens)

@@ -8,13 +8,14 @@ which lets a :class:`~camviz.core.targets.Contrast` compare classes of either ki
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from camviz.core.errors import CamvizError
-from camviz.core.targets.outputs import as_logits
+from camviz.core.targets.outputs import as_logits, is_per_sample_list
 from camviz.core.targets.protocol import Change, Context, Resolved, ScoreFn, TargetObject
 
 if TYPE_CHECKING:
@@ -122,7 +123,8 @@ class Predicted(TopK):
     k: int = 1
 
     def resolve(self, output: Any, context: Context) -> Resolved:
-        if as_logits(output, context.output_key).dim() == 1:
+        detector = context.output_key is None and _detection_target(output) is not None
+        if not detector and as_logits(output, context.output_key).dim() == 1:
             return Resolved((Scalar(context.output_key),))  # explained as it is
         return super().resolve(output, context)
 
@@ -147,14 +149,32 @@ def _class_targets(ids: torch.Tensor, context: Context) -> Resolved:
 
 def class_scores(output: Any, output_key: str | int | None) -> torch.Tensor:
     """The ``(N, classes)`` scores in a model output, checked to be that."""
+    detection = _detection_target(output) if output_key is None else None
+    if detection is not None:
+        raise CamvizError(
+            "the model is a detector (its output holds boxes), not a classifier; explain one "
+            f"of its detections with target={detection}"
+        )
     logits = as_logits(output, output_key)
     if logits.dim() != 2:
         raise CamvizError(
             f"class-id targets need (N, classes) scores, but the model output has shape "
-            f"{tuple(logits.shape)}; for a segmentation output use "
-            "camviz.Region(class_id, mask), or pass a callable target"
+            f"{tuple(logits.shape)}; for a detector's raw predictions explain a detection "
+            "with target=camviz.Detection(0, adapter=camviz.DenseDetections()), for a "
+            "segmentation output use camviz.Region(class_id, mask), or pass a callable target"
         )
     return logits
+
+
+def _detection_target(output: Any) -> str | None:
+    """The :class:`~camviz.core.detection.Detection` target to suggest for a detector's
+    output (torchvision's per-image dicts of boxes, or a set-prediction output with
+    ``pred_boxes``); ``None`` for other outputs."""
+    if is_per_sample_list(output) and all("boxes" in item for item in output):
+        return "camviz.Detection(0)"
+    if isinstance(output, Mapping) and "pred_boxes" in output:
+        return "camviz.Detection(0, adapter=camviz.SetPredictions())"
+    return None
 
 
 def class_ids(target: Target, logits: torch.Tensor) -> torch.Tensor:

@@ -62,14 +62,19 @@ def take_rows(output: Any, rows: torch.Tensor) -> Any:
     return output
 
 
-def as_logits(output: Any, output_key: str | int | None = None) -> torch.Tensor:
+def as_logits(
+    output: Any, output_key: str | int | None = None, what: str = "the class scores"
+) -> torch.Tensor:
     """The class-score tensor inside a model's output.
 
     Args:
-        output: A tensor; a tuple or list (the first element, or ``output[output_key]``);
-            a dict (``output[output_key]``, or its only tensor value, or ``"logits"``/
-            ``"out"``); an object with a ``.logits`` attribute (Hugging Face models).
+        output: A tensor; a tuple or list (the first element, or ``output[output_key]``; a
+            pair of probabilities and the logits they are the softmax of, as Ultralytics'
+            classifiers return, gives the logits); a dict (``output[output_key]``, or its
+            only tensor value, or ``"logits"``/``"out"``); an object with a ``.logits``
+            attribute (Hugging Face models).
         output_key: Which element of a tuple or dict holds the scores.
+        what: What is looked for, for the message when a dict does not tell.
 
     Raises:
         CamvizError: No tensor can be found, or the key is not there.
@@ -78,24 +83,25 @@ def as_logits(output: Any, output_key: str | int | None = None) -> torch.Tensor:
         return output
     if output_key is not None:
         try:
-            return as_logits(output[output_key])
+            return as_logits(output[output_key], what=what)
         except (KeyError, IndexError, TypeError):
             raise CamvizError(
                 f"the model output has no element {output_key!r}; pass output_key= one of "
                 f"{_keys_of(output)}"
             ) from None
     if isinstance(output, (tuple, list)) and output:
-        return as_logits(output[0])
+        logits = _softmax_logits(output)
+        return as_logits(output[0], what=what) if logits is None else logits
     if isinstance(output, dict):
         for key in ("logits", "out"):
             if key in output:
-                return as_logits(output[key])
+                return as_logits(output[key], what=what)
         tensors = [value for value in output.values() if isinstance(value, torch.Tensor)]
         if len(tensors) == 1:
             return tensors[0]
         raise CamvizError(
             f"the model returns a dict with keys {list(output)}; pass output_key= to say "
-            "which one holds the class scores"
+            f"which one holds {what}"
         )
     if isinstance(getattr(output, "logits", None), torch.Tensor):
         return output.logits
@@ -103,6 +109,24 @@ def as_logits(output: Any, output_key: str | int | None = None) -> torch.Tensor:
         f"cannot find class scores in a model output of type {type(output).__name__}; pass "
         "target= a callable that maps the output to one score per sample"
     )
+
+
+def _softmax_logits(output: tuple[Any, ...] | list[Any]) -> torch.Tensor | None:
+    """The logits of a ``(probabilities, logits)`` pair whose first element is the softmax of
+    its second (an Ultralytics classifier in eval mode); ``None`` for any other output."""
+    if len(output) != 2 or not all(isinstance(value, torch.Tensor) for value in output):
+        return None
+    probabilities, logits = output
+    if (
+        probabilities.shape != logits.shape
+        or logits.dim() != 2
+        or not logits.is_floating_point()
+        or not torch.allclose(
+            probabilities.detach().float(), logits.detach().float().softmax(-1), atol=1e-6
+        )
+    ):
+        return None
+    return logits
 
 
 def _keys_of(output: Any) -> list[Any]:

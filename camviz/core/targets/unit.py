@@ -35,7 +35,8 @@ from torch import nn
 from camviz.core.errors import CamvizError
 from camviz.core.grids import layout_of, patch_size
 from camviz.core.layerkinds import Kind
-from camviz.core.layouts import spot_kind
+from camviz.core.layouts import spot_reading
+from camviz.core.lineage import TokenGrid
 from camviz.core.taps import parse
 from camviz.core.targets.protocol import Change, Context, Resolved, TargetObject
 
@@ -50,6 +51,7 @@ class _Reading:
     """How a unit's layer lays out its output for one model and input size."""
 
     kind: Kind | None
+    tokens: TokenGrid | None
     input_size: tuple[int, ...]
     patch: tuple[int, ...] | None
 
@@ -137,8 +139,9 @@ class Unit(TargetObject):
             model.get_submodule(name)
         except AttributeError:
             raise CamvizError(f"no layer named {name!r} in the model") from None
-        kind = spot_kind(model, self.layer, inputs)
-        reading = _Reading(kind, tuple(inputs.main.shape[2:]), patch_size(model))
+        told = spot_reading(model, self.layer, inputs)
+        size = tuple(inputs.main.shape[2:])
+        reading = _Reading(told.kind, told.tokens, size, patch_size(model))
         return dataclasses.replace(self, reading=reading)
 
     def resolve(self, output: Any, context: Context) -> Resolved:
@@ -157,11 +160,20 @@ class Unit(TargetObject):
             raise CamvizError(self.cannot_move)
         if self.reading is None or not change.factors:
             return self
-        size = tuple(
-            max(1, round(extent * factor))
-            for extent, factor in zip(self.reading.input_size, change.factors, strict=True)
+
+        def scaled(sizes: Sequence[int]) -> tuple[int, ...]:
+            return tuple(
+                max(1, round(extent * factor))
+                for extent, factor in zip(sizes, change.factors, strict=True)
+            )
+
+        tokens = self.reading.tokens
+        if tokens is not None:  # the same leading tokens, the patches on a rescaled grid
+            tokens = TokenGrid(tokens.start, scaled(tokens.grid))
+        reading = dataclasses.replace(
+            self.reading, input_size=scaled(self.reading.input_size), tokens=tokens
         )
-        return dataclasses.replace(self, reading=dataclasses.replace(self.reading, input_size=size))
+        return dataclasses.replace(self, reading=reading)
 
     def view(self, tensor: torch.Tensor) -> torch.Tensor:
         """The ``(N, C, *grid)`` view of the unit layer's output (tokens: the patches)."""
@@ -169,7 +181,12 @@ class Unit(TargetObject):
         if reading is None:
             return layout_of(tensor.shape, self.layer).to_spatial(tensor)
         layout = layout_of(
-            tensor.shape, self.layer, reading.input_size, reading.patch, reading.kind
+            tensor.shape,
+            self.layer,
+            reading.input_size,
+            reading.patch,
+            reading.kind,
+            reading.tokens,
         )
         return layout.to_spatial(tensor)
 

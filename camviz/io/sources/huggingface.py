@@ -1,0 +1,229 @@
+"""Hugging Face transformers models: ``hf:NAME_OR_DIR``.
+
+The model is read with ``from_pretrained`` of the class its config names (``architectures``;
+an ``AutoModel`` when it names none), from the hub (which needs internet) or from a local
+folder made by ``save_pretrained`` (which works offline). The image processor saved beside it
+(``preprocessor_config.json``) gives the size, mean, std and interpolation: a processor that
+crops, or resizes to a fixed height and width, becomes a square input of that size (the
+whole photo is explained, squashed rather than cropped), one that resizes the shortest edge
+keeps the aspect ratio. The config's ``id2label`` names the classes.
+
+The task is told from the model's class: ``...ForImageClassification`` classifies,
+``...ForSemanticSegmentation`` segments (its logits at a quarter of the input for Segformer;
+``...ForObjectDetection``, DETR-style sets of boxes, is refused for now). Dual encoders
+(CLIP, SigLIP: models with ``get_image_features``) and bare encoders (``ViTModel``,
+``Dinov2Model``) answer an image embedding (:class:`ImageEmbedding`), explained against
+another embedding with :class:`camviz.Similarity`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from camviz.core.errors import CamvizError, first_line
+from camviz.io.checkpoints import load_weights
+from camviz.io.sources.base import ModelSource, SourceOptions, import_extra
+
+if TYPE_CHECKING:
+    from camviz.io.architectures import Task
+    from camviz.io.images import Preprocess
+
+__all__ = ["PREFIX", "HuggingFaceSource", "ImageEmbedding"]
+
+#: Names starting with this are Hugging Face models (``"hf:google/vit-base-patch16-224"``).
+PREFIX = "hf:"
+
+# The task of a model class, by the end of its name.
+_TASKS: tuple[tuple[str, Task], ...] = (
+    ("ForImageClassification", "classification"),
+    ("ForImageClassificationWithTeacher", "classification"),
+    ("ForSemanticSegmentation", "segmentation"),
+)
+
+
+class HuggingFaceSource(ModelSource):
+    """``hf:NAME_OR_DIR`` (see the module docstring)."""
+
+    def __init__(self, name: str, options: SourceOptions) -> None:
+        self.name = name
+        self.options = options
+        self.reference = name.removeprefix(PREFIX)
+        if not self.reference:
+            raise CamvizError("hf: needs a model: hf:NAME (a hub name) or hf:DIR (a local folder)")
+        self.config: Any = None
+        self.model_task: Task = "embedding"
+
+    def build(self) -> nn.Module:
+        transformers = import_extra("transformers", "hf", "hf: models")
+        with _quiet(transformers), self._reading("the model"):
+            self.config = transformers.AutoConfig.from_pretrained(self.reference)
+            model_class = _model_class(transformers, self.config)
+            if model_class.__name__.endswith("ForObjectDetection"):
+                raise CamvizError(
+                    f"{model_class.__name__}: camviz does not explain Hugging Face detectors "
+                    "from --model yet; in Python, explain the model with a camviz.Detection "
+                    "target whose adapter turns its output into boxes"
+                )
+            model = model_class.from_pretrained(self.reference)
+        self.model_task = next(
+            (task for ending, task in _TASKS if model_class.__name__.endswith(ending)),
+            "embedding",
+        )
+        if self.options.weights is not None:
+            load_weights(model, self.options.weights, self.name)
+        return ImageEmbedding(model) if self.model_task == "embedding" else model
+
+    def preprocess(self) -> Preprocess:
+        from camviz.io.images import Preprocess
+
+        transformers = import_extra("transformers", "hf", "hf: models")
+        try:
+            with _quiet(transformers):
+                processor = transformers.AutoImageProcessor.from_pretrained(self.reference)
+        except (OSError, ValueError):
+            if self.options.input_size is None:
+                raise CamvizError(
+                    f"{self.reference} has no image processor (preprocessor_config.json); save "
+                    "it beside the model (processor.save_pretrained(DIR)), or give "
+                    "--input-size, --mean and --std"
+                ) from None
+            # The options give the size; a model of one input size (a ViT's position
+            # embeddings) takes the image squashed to it.
+            fixed = isinstance(getattr(self.config, "image_size", None), int)
+            return Preprocess(mean=(0.0,), std=(1.0,), resize="square" if fixed else "none")
+        return _processor_preprocess(processor)
+
+    def class_names(self, model: nn.Module) -> list[str] | None:
+        if self.model_task == "embedding":
+            return None
+        labels = getattr(self.config, "id2label", None) or {}
+        return [str(labels[key]) for key in sorted(labels)] or None
+
+    def task(self, model: nn.Module) -> Task | None:
+        return self.model_task
+
+    @contextlib.contextmanager
+    def _reading(self, what: str) -> Iterator[None]:
+        """A failed read as one line: a folder that is no model, or a failed download."""
+        try:
+            yield
+        except (OSError, ValueError) as error:
+            folder = Path(self.reference)
+            if folder.is_dir():
+                missing = "" if (folder / "config.json").is_file() else "no config.json; "
+                raise CamvizError(
+                    f"{folder} is not a Hugging Face model folder ({missing}{first_line(error)}); "
+                    "make one with model.save_pretrained(DIR) (config.json and the weights)"
+                ) from None
+            raise CamvizError(
+                f"could not read {what} {self.reference!r} from the Hugging Face hub "
+                f"({first_line(error)}); where there is internet, save it with "
+                "save_pretrained(DIR) and pass the local folder: --model hf:DIR"
+            ) from None
+
+
+class ImageEmbedding(nn.Module):
+    """A Hugging Face model as a map from images to one embedding per image.
+
+    ``get_image_features`` of a dual encoder (CLIP, SigLIP), else the encoder's pooled
+    output (``pooler_output``; the mean of ``last_hidden_state`` over the tokens when the
+    model has no pooler).
+
+    Attributes:
+        model: The Hugging Face model.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        model: Any = self.model
+        if hasattr(model, "get_image_features"):
+            output = model.get_image_features(pixel_values=pixel_values)
+        else:
+            output = model(pixel_values=pixel_values)
+        if isinstance(output, torch.Tensor):
+            return output
+        pooled = getattr(output, "pooler_output", None)
+        if isinstance(pooled, torch.Tensor):
+            return pooled.flatten(1)
+        return output.last_hidden_state.mean(dim=1)
+
+
+def _model_class(transformers: ModuleType, config: Any) -> Any:
+    """The class the config names (its first ``architectures`` entry), else ``AutoModel``."""
+    for name in getattr(config, "architectures", None) or ():
+        found = getattr(transformers, name, None)
+        if found is not None:
+            return found
+    return transformers.AutoModel
+
+
+def _processor_preprocess(processor: Any) -> Preprocess:
+    """The whole-image :class:`~camviz.images.Preprocess` of a Hugging Face image processor."""
+    from camviz.io.images import Preprocess
+
+    size = _size_of(getattr(processor, "size", None))
+    crop = _size_of(getattr(processor, "crop_size", None))
+    resize: Literal["square", "shorter"]
+    if getattr(processor, "do_center_crop", False) and crop[0] is not None:
+        side, resize = crop[0], "square"
+    elif size[0] is not None:
+        side, resize = size[0], "square"
+    elif size[1] is not None:
+        side, resize = size[1], "shorter"
+    else:
+        raise CamvizError(
+            f"camviz cannot read the image size of {type(processor).__name__} ({size!r}); "
+            "give --input-size"
+        )
+    normalize = getattr(processor, "do_normalize", True)
+    mean = tuple(processor.image_mean) if normalize else (0.0,)
+    std = tuple(processor.image_std) if normalize else (1.0,)
+    resample = int(getattr(processor, "resample", 2) or 2)  # PIL's numbers: 3 is bicubic
+    return Preprocess(
+        size=side,
+        mean=mean,
+        std=std,
+        resize=resize,
+        interpolation="bicubic" if resample == 3 else "bilinear",
+    )
+
+
+def _size_of(size: Any) -> tuple[int | None, int | None]:
+    """``(fixed side, shortest edge)`` of a processor's ``size`` or ``crop_size`` (a dict or
+    a ``SizeDict``; a fixed height and width that differ give the smaller)."""
+    if size is None:
+        return None, None
+    if isinstance(size, int):
+        return size, None
+
+    def read(key: str) -> Any:
+        return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+
+    height, width = read("height"), read("width")
+    fixed = min(height, width) if height and width else None
+    return fixed, read("shortest_edge")
+
+
+@contextlib.contextmanager
+def _quiet(transformers: ModuleType) -> Iterator[None]:
+    """transformers' progress bars and warnings about the config off for the block."""
+    logging = transformers.utils.logging
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
