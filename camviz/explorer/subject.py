@@ -117,9 +117,15 @@ class Subject:
         precision: Precision = "fp32",
         channels_last: bool = False,
     ) -> None:
-        if loaded.task == "video":
+        if loaded.task in ("video", "volume"):
             raise CamvizError(
-                "the explorer shows still images; explain a video model with `camviz explain`"
+                f"the explorer shows still images; explain a {loaded.task} model with "
+                "`camviz explain`"
+            )
+        if loaded.task == "embedding":
+            raise CamvizError(
+                "the explorer explains class scores; explain an embedding model with "
+                "`camviz explain` and camviz.Similarity"
             )
         self.device = model_device(loaded.model) or torch.device("cpu")
         check_precision(precision, self.device)
@@ -127,7 +133,13 @@ class Subject:
         self.adapter = adapter
         self.precision: Precision = precision
         self.channels_last = channels_last
-        self.task: Task | None = None if loaded.task == "classification" else loaded.task
+        self.task: Task | None = (
+            "detection"
+            if loaded.task == "detection"
+            else "segmentation"
+            if loaded.task == "segmentation"
+            else None
+        )
         self.reading = ""  # how the output is read, once known
         self._layers: dict[tuple[int, ...], list[LayerEntry]] = {}
         self._guard = threading.Lock()
