@@ -218,17 +218,24 @@ def test_unit_gradcam_equals_a_hand_autograd_on_the_patch_tokens_of_a_vit():
 def test_the_default_layer_of_a_unit_is_the_last_map_before_its_layer():
     import torchvision
 
-    resnet = torchvision.models.resnet18().eval()
-    inputs = torch.zeros(1, 3, 64, 64)
-    assert default_target_layer(resnet, inputs, before="layer3") == "layer2"
-    assert default_target_layer(resnet, inputs, before="layer1.0.conv2") == "layer1.0.relu"
+    torch.manual_seed(0)
+    resnet = torchvision.models.resnet18(num_classes=4).eval()
+    inputs = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(9))
+    unit = Unit("layer3", channel=[5, 9])
+    assert default_target_layer(resnet, inputs, unit) == "layer2"
+    assert default_target_layer(resnet, inputs, Unit("layer1.0.conv2", channel=0)) == (
+        "layer1.0.relu"
+    )
+    assert default_target_layer(resnet, inputs) == "layer4"  # the classes' own default
+    default = camviz.explain(resnet, inputs, target=unit)
+    named = camviz.explain(resnet, inputs, layer="layer2", target=unit)
+    assert default.layers == ["layer2"]
+    torch.testing.assert_close(default.heatmaps, named.heatmaps)
     vit = tiny_vit()
-    block = "encoder.layers.encoder_layer_1"
-    assert default_target_layer(vit, torch.zeros(1, 3, 32, 32), before=block) == (
+    block = Unit("encoder.layers.encoder_layer_1", channel=2)
+    assert default_target_layer(vit, torch.rand(1, 3, 32, 32), block) == (
         "encoder.layers.encoder_layer_0"
     )
-    with pytest.raises(CamvizError, match="could not find a layer with a spatial output before"):
-        default_target_layer(resnet, inputs, before="conv1")
 
 
 def test_methods_that_score_re_runs_and_a_moved_neuron_are_refused_in_one_line():

@@ -17,6 +17,8 @@ from camviz.cli.options import (
 from camviz.cli.text import printable
 
 if TYPE_CHECKING:
+    from camviz.core.targets import Unit
+    from camviz.io.models import LoadedModel
     from camviz.pipeline.settings import JobSettings
 
 # Skipped inputs listed on stderr; the manifest has them all.
@@ -272,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _settings(args: argparse.Namespace, loaded: object) -> JobSettings:
+def _settings(args: argparse.Namespace, loaded: LoadedModel) -> JobSettings:
     """The job's settings from the command line (``--similar-to`` needs the model)."""
     from camviz.cli.options import explain_settings
     from camviz.core.targets import parse_unit
@@ -284,6 +286,7 @@ def _settings(args: argparse.Namespace, loaded: object) -> JobSettings:
     target = int(args.target) if args.target.lstrip("-").isdigit() else args.target
     if args.target.startswith("unit:"):
         target = parse_unit(args.target)
+        shared["layer"] = shared["layer"] or _layer_before(target, loaded)
     if args.similar_to is not None:
         target = _similarity(args.similar_to, loaded)
     return JobSettings(
@@ -311,6 +314,20 @@ def _settings(args: argparse.Namespace, loaded: object) -> JobSettings:
             blend=args.blend,
         ),
     )
+
+
+def _layer_before(unit: Unit, loaded: LoadedModel) -> str:
+    """The layer a ``--target unit:...`` is explained at without ``--layer``: the last one
+    before the unit's, found on a noise image of the model's input size (the folder job
+    would otherwise take the model's default layer for classes, after the unit)."""
+    import torch
+
+    from camviz.core.layers import default_target_layer
+
+    size = getattr(loaded.preprocess, "size", 224)
+    device = next(loaded.model.parameters()).device
+    probe = torch.rand(1, 3, size, size, generator=torch.Generator().manual_seed(0))
+    return default_target_layer(loaded.model, probe.to(device), unit)
 
 
 def _similarity(path: str, loaded: object) -> object:

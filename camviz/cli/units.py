@@ -26,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="INPUT",
         help="image files, folders (searched recursively), glob patterns, .txt path lists",
     )
-    add_model_options(parser)
+    add_model_options(parser, channels_flag="--input-channels")
     parser.add_argument(
         "--layer", required=True, help="the layer whose channels are ranked (`camviz layers`)"
     )

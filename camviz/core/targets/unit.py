@@ -14,7 +14,8 @@ A token layer (a vision transformer's ``(N, T, C)``) is read on its patch tokens
 class, distillation and register tokens are left out, and a neuron's ``(c, row, col)`` is a
 patch of the grid (:mod:`camviz.core.grids` lays the tokens out). Every method that takes
 its scores from the explaining pass explains a unit at any layer before the unit's
-(:func:`camviz.core.layers.default_target_layer` with ``before=`` finds the last one).
+(without ``layer=`` it is explained at the last layer before its own, see
+:mod:`camviz.core.defaults`).
 Methods that score re-runs of the model on perturbed copies (Score-CAM, Ablation-CAM, the
 faithfulness metrics) would need the unit's layer recorded in those passes too; they are
 refused in one line rather than handed the plain pass's scores.
