@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from camviz.cli.options import add_model_options
+from camviz.cli.options import add_model_options, add_precision_options
 from camviz.cli.text import printable
 
 
@@ -54,6 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="where the model runs (cpu, cuda, cuda:1); by default this process's GPU if any",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_precision_options(parser)
     parser.set_defaults(run=run)
 
 
@@ -78,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         workers=args.workers,
         progress=False if args.quiet else None,
+        precision=args.precision,
+        channels_last=args.channels_last,
     )
     if context.is_main:
         count = len(results["channels"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from camviz.cli.options import add_model_options
+from camviz.cli.options import add_model_options, add_precision_options
 from camviz.cli.text import printable
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="where the model runs (cpu, cuda, cuda:1); by default the GPU if any",
     )
+    add_precision_options(parser)
     parser.set_defaults(run=run)
 
 
@@ -84,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
             batch=args.batch,
             diversity=args.diversity,
             seed=args.seed,
+            precision=args.precision,
+            channels_last=args.channels_last,
         )
         for number, image in enumerate(images):
             suffix = f"_{number}" if len(images) > 1 else ""

@@ -124,7 +124,8 @@ def _dry_run(
     pool_outputs: list[torch.Tensor] = []  # kept alive, so that identity means the same tensor
     real = batch.main.device.type != "meta"
     first = torch.zeros(1, dtype=torch.long, device=batch.main.device)
-    source = batch.main[:1].detach().clone().requires_grad_(real)
+    with torch.inference_mode(False):  # a caller's inference mode would make the copy unusable
+        source = batch.main[:1].detach().clone().requires_grad_(real)
     sample = batch.replaced({batch.key: source}, first)
     run = _DryRun(CallLog(), skipped, None, output_key)
     if target is not None and target.spots:  # it reads them as this pass hands them on

@@ -39,6 +39,7 @@ from PIL import Image
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import model_device
 from camviz.core.modelstate import eval_mode, exclusive
+from camviz.core.precision import Precision, model_precision
 from camviz.core.targets.unit import Unit, parse_channels
 from camviz.io.atomic import atomic_write
 from camviz.io.images import load_image
@@ -74,6 +75,8 @@ class UnitJob:
     channels: tuple[int, ...]
     k: int
     statistic: Statistic
+    precision: Precision = "fp32"
+    channels_last: bool = False
 
     def settings(self, loaded: LoadedModel) -> dict[str, Any]:
         return {
@@ -82,6 +85,8 @@ class UnitJob:
             "channels": list(self.channels),
             "k": self.k,
             "statistic": self.statistic,
+            "precision": self.precision,
+            "channels_last": self.channels_last,
             "preprocess": repr(loaded.preprocess),
         }
 
@@ -98,6 +103,8 @@ def scan_units(
     batch_size: int = 32,
     workers: int = 0,
     progress: bool | None = False,
+    precision: Precision = "fp32",
+    channels_last: bool = False,
 ) -> dict[str, Any]:
     """Scan the inputs for the top images of ``layer``'s channels and draw them.
 
@@ -112,6 +119,8 @@ def scan_units(
         batch_size: Images per forward pass.
         workers: DataLoader processes that decode and preprocess.
         progress: A progress bar on stderr (``None``: when it is a terminal).
+        precision, channels_last: How the scan's passes run (see :func:`camviz.explain`);
+            the pictures' maps are explained in float32.
 
     Returns:
         The content of ``units.json``.
@@ -131,7 +140,8 @@ def scan_units(
     picked = parse_channels(channels) if isinstance(channels, str) else channels
     picked = range(count) if picked is None else picked
     Unit(layer, channel=list(picked)).maps(torch.zeros(1, count, 1, 1))  # in range, or one line
-    job = UnitJob(layer, tuple(picked), k, statistic)
+    model_precision(loaded.model, precision, channels_last)  # refused before any file
+    job = UnitJob(layer, tuple(picked), k, statistic, precision, channels_last)
     settings = job.settings(loaded)
     with distributed.session() as context, lock.locked(out, context):
         manifest.check_settings(out, settings)
@@ -161,7 +171,7 @@ def _channel_count(loaded: LoadedModel, items: Sequence[Item], layer: str) -> in
         except (CamvizError, OSError):
             continue
         inputs = inputs.to(model_device(loaded.model))
-        with exclusive(loaded.model), eval_mode(loaded.model), torch.inference_mode():
+        with exclusive(loaded.model), eval_mode(loaded.model), torch.no_grad():
             tensors, _ = outputs_at(loaded.model, inputs, [layer])
         return spatial_view(loaded.model, layer, tensors[layer], inputs).shape[1]
     raise CamvizError("none of the inputs can be read as an image")
@@ -178,7 +188,8 @@ def _scan(
     progress: bool | None,
 ) -> TopHeaps:
     """This process's heaps over its shard of what is not done yet, checkpointed."""
-    scan = UnitScan(loaded.model, Unit(job.layer, channel=list(job.channels)), job.k, job.statistic)
+    unit = Unit(job.layer, channel=list(job.channels))
+    scan = UnitScan(loaded.model, unit, job.k, job.statistic, job.precision, job.channels_last)
     paths = [item.path for item in items]
     checkpoint = out / _CHECKPOINT.format(rank=context.rank)
     scan.heaps = _read_heaps(checkpoint, paths, len(job.channels), job.k)

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from camviz.core.errors import CamvizError, first_line
 from camviz.core.inputs import model_device
 from camviz.core.modelstate import eval_mode, exclusive
+from camviz.core.precision import Precision, model_precision
 from camviz.core.targets.unit import Unit, as_units
 from camviz.io.images import PathLike, Preprocess
 from camviz.io.models import LoadedModel
@@ -64,6 +65,8 @@ def top_examples(
     batch_size: int = 32,
     workers: int = 0,
     progress: bool | None = False,
+    precision: Precision = "fp32",
+    channels_last: bool = False,
 ) -> list[UnitExamples]:
     """The ``k`` images of ``source`` that excite each unit most, in one pass.
 
@@ -88,6 +91,9 @@ def top_examples(
         batch_size: Images per forward pass.
         workers: DataLoader worker processes that decode and preprocess.
         progress: A progress bar on stderr (``None``: when stderr is a terminal).
+        precision: ``"fp32"``, or ``"bf16"``/``"fp16"`` autocast for the passes (the
+            statistics are compared in float32); see :func:`camviz.explain`.
+        channels_last: Channels-last inputs for the model.
 
     Returns:
         One :class:`UnitExamples` per unit (per channel), in the order given; each holds up
@@ -100,7 +106,7 @@ def top_examples(
     """
     network, preprocess = _model_and_preprocess(model, preprocess)
     dataset, paths = image_source(source)
-    scan = UnitScan(network, units, k, statistic)
+    scan = UnitScan(network, units, k, statistic, precision, channels_last)
     order = list(range(len(cast(Sized, dataset))))
     for positions, batch, _ in scan_batches(
         dataset, preprocess, order, batch_size, workers, model_device(network), progress
@@ -147,10 +153,17 @@ class UnitScan:
         units: The units (a unit of several channels is one unit per channel).
         k: Images kept per unit.
         statistic: ``"max"`` or ``"mean"``.
+        precision, channels_last: How the passes run (see :func:`top_examples`).
     """
 
     def __init__(
-        self, model: nn.Module, units: Unit | Sequence[Unit], k: int, statistic: Statistic
+        self,
+        model: nn.Module,
+        units: Unit | Sequence[Unit],
+        k: int,
+        statistic: Statistic,
+        precision: Precision = "fp32",
+        channels_last: bool = False,
     ) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise CamvizError(f"k must be a positive whole number, not {k!r}")
@@ -159,6 +172,9 @@ class UnitScan:
         self.model = model
         self.units = [single for unit in as_units(units) for single in unit.ranked()]
         self.statistic = statistic
+        self.precision = precision
+        self.channels_last = channels_last
+        model_precision(model, precision, channels_last)  # an unknown or emulated one: now
         self.heaps = TopHeaps(len(self.units), k)
         self._spots = list(dict.fromkeys(unit.layer for unit in self.units))
 
@@ -169,7 +185,12 @@ class UnitScan:
 
     def read(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(B, U)`` statistics and ``(B, U, D)`` grid locations of every unit."""
-        with exclusive(self.model), eval_mode(self.model), torch.inference_mode():
+        with (
+            exclusive(self.model),
+            eval_mode(self.model),
+            model_precision(self.model, self.precision, self.channels_last),
+            torch.no_grad(),
+        ):
             tensors, _ = outputs_at(self.model, batch, self._spots)
         views = {spot: spatial_view(self.model, spot, tensors[spot], batch) for spot in tensors}
         read = [_statistic(unit, views[unit.layer], self.statistic) for unit in self.units]

@@ -37,6 +37,7 @@ from camviz.core.errors import CamvizError
 from camviz.core.inputs import model_device
 from camviz.core.layers import default_target_layer
 from camviz.core.modelstate import eval_mode, exclusive
+from camviz.core.precision import Precision, model_precision
 from camviz.core.targets import as_logits
 from camviz.core.targets.unit import Unit, as_units
 from camviz.io.models import LoadedModel
@@ -72,6 +73,8 @@ def visualize_unit(
     batch: int = 1,
     diversity: float = 0.0,
     seed: int = 0,
+    precision: Precision = "fp32",
+    channels_last: bool = False,
 ) -> torch.Tensor:
     """Images that excite ``target``, found by gradient ascent (see the module docstring).
 
@@ -93,6 +96,9 @@ def visualize_unit(
         batch: How many images to make at once.
         diversity: Weight of the diversity term (``0``: none; needs ``batch >= 2``).
         seed: Seeds every random choice (the start and each step's moves).
+        precision: ``"fp32"``, or ``"bf16"``/``"fp16"`` autocast for the model's passes (the
+            image, its spectrum and the score stay float32); see :func:`camviz.explain`.
+        channels_last: Channels-last inputs for the model.
 
     Returns:
         ``(batch, 3, size, size)`` float32 images in ``[0, 1]``, on the CPU.
@@ -108,7 +114,12 @@ def visualize_unit(
     image = _SpectralImage(batch, size, generator, device)
     optimizer = torch.optim.Adam([image.spectrum], lr=lr)
     objective = _Objective(network, target, size, diversity, device)
-    with exclusive(network), eval_mode(network), torch.enable_grad():
+    with (
+        exclusive(network),
+        eval_mode(network),
+        model_precision(network, precision, channels_last),
+        torch.enable_grad(),
+    ):
         for _ in range(steps):
             pixels = _moved(image.pixels(), generator)
             loss = -objective((pixels - mean.to(device)) / std.to(device))
@@ -220,8 +231,8 @@ class _Objective:
         else:
             value = self._logits(output)[:, self.class_id].sum()
         if self.diversity > 0:
-            value = value - self.diversity * _similarity(views[0]) * len(inputs)
-        return value
+            value = value - self.diversity * _similarity(views[0].float()) * len(inputs)
+        return value.float()
 
     def _logits(self, output: object) -> torch.Tensor:
         logits = as_logits(output)
