@@ -120,7 +120,7 @@ async def execute_all(paths: list[Path]) -> dict[str, nbformat.NotebookNode]:
         notebook = nbformat.read(path, as_version=4)
         client = NotebookClient(
             notebook,
-            timeout=300,
+            timeout=900,  # a generous bound per cell: a loaded 2-core machine is slow, not stuck
             kernel_name="python3",
             allow_errors=True,  # an error becomes an output, which the tests report
             resources={"metadata": {"path": str(path.parent)}},

@@ -36,9 +36,12 @@ from camviz.explorer.subject import Subject
 from camviz.explorer.views import channel_view, photo, to_input, view_overlay
 from camviz.io.images import load_image
 
-__all__ = ["Handlers", "Widgets", "numbered", "status_line"]
+__all__ = ["PANELS", "Handlers", "Widgets", "numbered", "status_line"]
 
 Updates = dict[Any, Any]
+
+#: The panels' label when it names no panel.
+PANELS = "Panels side by side"
 Handler = TypeVar("Handler", bound=Callable[..., Updates])
 
 
@@ -181,7 +184,7 @@ class Handlers:
                 value=session.settings.layer if session.settings else None,
             ),
         }
-        cleared: Updates = {self.w.overlay: None, self.w.caption: "", self.w.panels: []}
+        cleared: Updates = {self.w.overlay: None, self.w.caption: "", self.w.panels: None}
         if session.chosen is None:
             line = status_line(f"{name}: {_nothing(session)}")
             return updates | cleared | {self.w.status: line}
@@ -303,20 +306,21 @@ class Handlers:
     @_guarded
     def clear(self, session: Session | None) -> Updates:
         _live(session).pinned.clear()
-        return {self.w.panels: [], self.w.status: status_line("panels cleared")}
+        panels = self.gr.update(value=[], label=PANELS)
+        return {self.w.panels: panels, self.w.status: status_line("panels cleared")}
 
-    def _panels(self, session: Session, progress: Any) -> list[tuple[Image.Image, str]]:
+    def _panels(self, session: Session, progress: Any) -> Any:
+        """The panels: the current view and the pinned ones, named left to right in the
+        gallery's label (its thumbnails show no caption)."""
         if not session.pinned:
-            return []
-        current = session.current()
-        views = [current, *session.compared(_reporter(progress))]
-        return [
-            (
-                view_overlay(session, view.explained, view.settings),
-                "; warning: ".join([view.settings.label, *view.warnings]),
-            )
-            for view in views
-        ]
+            return self.gr.update(value=[], label=PANELS)
+        views = [session.current(), *session.compared(_reporter(progress))]
+        captions = ["; warning: ".join([view.settings.label, *view.warnings]) for view in views]
+        pictures = [view_overlay(session, view.explained, view.settings) for view in views]
+        return self.gr.update(
+            value=list(zip(pictures, captions, strict=True)),
+            label=f"{PANELS}, left to right: {' | '.join(captions)}",
+        )
 
     @_guarded
     def show_channels(self, session: Session | None) -> Updates:

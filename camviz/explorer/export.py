@@ -24,7 +24,6 @@ from PIL import Image
 
 from camviz.cams.engine import Explanation
 from camviz.core.errors import CamvizError
-from camviz.core.modelstate import exclusive
 from camviz.core.targets import as_logits
 from camviz.evaluation.metrics import Score, confidence, deletion, insertion
 from camviz.evaluation.report import Cell, Comparison, write_report
@@ -65,7 +64,7 @@ def measure(session: Session, maps: torch.Tensor, steps: int = REPORT_STEPS) -> 
     model, target = session.subject.model, session.chosen.target
     batch = session.inputs.expand(len(maps), -1, -1, -1)
     score: Score = "probability" if session.subject.task == "classification" else "logit"
-    with exclusive(model):
+    with session.subject.using():
         deleted = deletion(model, batch, maps, target, steps=steps, score=score)
         inserted = insertion(model, batch, maps, target, steps=steps, score=score)
         confidences = confidence(model, batch, maps, target, score=score)

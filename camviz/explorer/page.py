@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from camviz.cams.registry import names
-from camviz.explorer.callbacks import Handlers, Widgets, method_info
+from camviz.explorer.callbacks import PANELS, Handlers, Widgets, method_info
 from camviz.explorer.session import DEFAULT_METHOD, MAX_PANELS, format_options
 from camviz.explorer.subject import Subject
 from camviz.io.colormaps import SHIPPED_NAMES
@@ -153,8 +153,10 @@ def _below(gr: ModuleType) -> dict[str, Any]:
         )
         made["clear"] = gr.Button("Clear the panels", elem_id="camviz-clear")
     made["panels"] = gr.Gallery(
-        label="Panels side by side",
+        label=PANELS,
         columns=MAX_PANELS,
+        object_fit="contain",  # whole maps, not cropped squares
+        height="auto",
         format="png",
         buttons=_BUTTONS,
         elem_id="camviz-panels",

@@ -29,7 +29,6 @@ from PIL import Image
 from camviz.cams.engine import Explanation, explain
 from camviz.cams.registry import get, names
 from camviz.core.errors import CamvizError, first_line
-from camviz.core.modelstate import exclusive
 from camviz.explorer.progress import Report, copies, watched
 from camviz.explorer.subject import MIN_SCORE, Candidate, LayerEntry, Subject
 
@@ -178,7 +177,7 @@ class Session:
         # The lock first: the hook must see this call's passes only, not another tab's.
         # Under the lock, only this call warns through camviz: its warnings are this map's.
         with (
-            exclusive(model),
+            self.subject.using(),
             watched(model, self.cancel, expected, report, what),
             warnings.catch_warnings(record=True) as caught,
         ):

@@ -22,8 +22,9 @@ class scores per image.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,7 +35,7 @@ from camviz.core.detection import Adapter, DenseDetections, Detection
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import model_device
 from camviz.core.layers import default_target_layer, layer_shapes
-from camviz.core.modelstate import eval_mode, exclusive
+from camviz.core.modelstate import changed, eval_mode, exclusive
 from camviz.core.precision import Precision, check_precision, model_precision
 from camviz.core.targets import Region, Target, as_logits, class_name
 from camviz.io.models import LoadedModel, task_of
@@ -152,6 +153,14 @@ class Subject:
     def name(self) -> str:
         return self.loaded.name
 
+    @contextlib.contextmanager
+    def using(self) -> Iterator[torch.nn.Module]:
+        """The model held for the block by this request (camviz's per-model lock), with the
+        loaded model's temporary changes made (a detector's input size,
+        :attr:`~camviz.models.LoadedModel.changes`)."""
+        with exclusive(self.model), changed(self.model, *self.loaded.changes):
+            yield self.model
+
     def prepare(self, image: Image.Image) -> torch.Tensor:
         """The ``(1, 3, H, W)`` batch the model takes for ``image``."""
         return self.loaded.preprocess(image).unsqueeze(0).to(self.device)
@@ -159,7 +168,7 @@ class Subject:
     def forward(self, inputs: torch.Tensor) -> Any:
         """The model's output for ``inputs``, read once its task is known."""
         with (
-            exclusive(self.model),
+            self.using(),
             model_precision(self.model, self.precision, self.channels_last),
             eval_mode(self.model),
             torch.inference_mode(),
@@ -291,7 +300,7 @@ class Subject:
         in call order, the default marked."""
         key = tuple(inputs.shape)
         if key not in self._layers:
-            with exclusive(self.model):
+            with self.using():
                 rows = layer_shapes(
                     self.model, inputs, precision=self.precision, channels_last=self.channels_last
                 )

@@ -25,7 +25,6 @@ from camviz.cams.registry import get
 from camviz.core.errors import CamvizError
 from camviz.core.grids import as_spatial, patch_size
 from camviz.core.layerkinds import module_kind
-from camviz.core.modelstate import exclusive
 from camviz.debug.extraction import features
 from camviz.explorer.session import Session, Settings
 from camviz.io.render import SALIENCY_PERCENTILE, channel_grid, draw_box, overlay, select_channels
@@ -178,15 +177,16 @@ def _channel_weights(session: Session, settings: Settings) -> tuple[torch.Tensor
     chosen = session.chosen
     assert chosen is not None and session.inputs is not None  # checked by the caller
     subject = session.subject
-    with_gradcam = explain(
-        subject.model,
-        session.inputs,
-        _WEIGHING,
-        settings.layer,
-        chosen.target,
-        precision=subject.precision,
-        channels_last=subject.channels_last,
-    )
+    with subject.using():
+        with_gradcam = explain(
+            subject.model,
+            session.inputs,
+            _WEIGHING,
+            settings.layer,
+            chosen.target,
+            precision=subject.precision,
+            channels_last=subject.channels_last,
+        )
     if not with_gradcam.weights or settings.layer not in with_gradcam.weights:
         raise CamvizError(f"{settings.layer} has no channel weights; pick a convolutional layer")
     return with_gradcam.weights[settings.layer][0].float().cpu(), _WEIGHING
@@ -197,7 +197,7 @@ def _activations(session: Session, layer: str) -> torch.Tensor:
     subject, inputs = session.subject, session.inputs
     model = subject.model
     assert inputs is not None  # checked by the caller
-    with exclusive(model):
+    with subject.using():
         output = features(
             model,
             inputs,
