@@ -48,6 +48,7 @@ _EXPORTS = {
     "Tokens": "camviz.core.layouts:Tokens",
     "TopK": "camviz.core.targets:TopK",
     "Tracker": "camviz.training.tracker:Tracker",
+    "Unit": "camviz.core.targets:Unit",
     "ZeroMapWarning": "camviz.core.errors:ZeroMapWarning",
     "app": "camviz.explorer.server:app",
     "capture": "camviz.core.hooks:capture",
@@ -67,6 +68,8 @@ _EXPORTS = {
     "panel": "camviz.io.render:panel",
     "save": "camviz.io.render:save",
     "show": "camviz.io.render:show",
+    "top_examples": "camviz.units.scan:top_examples",
+    "visualize_unit": "camviz.units.visualize:visualize_unit",
     "write_report": "camviz.evaluation.report:write_report",
 }
 
@@ -129,6 +132,7 @@ if TYPE_CHECKING:
     from camviz.core.targets import Region as Region
     from camviz.core.targets import RowTarget as RowTarget
     from camviz.core.targets import TopK as TopK
+    from camviz.core.targets import Unit as Unit
     from camviz.debug import edits as edits
     from camviz.debug.extraction import features as features
     from camviz.debug.layerstats import LayerTable as LayerTable
@@ -157,6 +161,8 @@ if TYPE_CHECKING:
     from camviz.pipeline.dataset import explain_dataset as explain_dataset
     from camviz.pipeline.job import explain_files as explain_files
     from camviz.training.tracker import Tracker as Tracker
+    from camviz.units.scan import top_examples as top_examples
+    from camviz.units.visualize import visualize_unit as visualize_unit
 
     # Type checkers do not evaluate the __all__ above; `X as X` re-exports a name, and an
     # export imported under another name is re-exported by listing it here.

@@ -236,6 +236,17 @@ def make_photos(cat_path, coffee_path):
 
 
 @pytest.fixture(scope="session")
+def real_photos(tmp_path_factory) -> Path:
+    """A folder of 300 real photos, 128 px square: crops and flips of the photos that
+    scikit-image and scikit-learn ship (:func:`camviz.evaluation.photos.photo_folder`)."""
+    from camviz.evaluation.photos import photo_folder
+
+    folder = tmp_path_factory.mktemp("photos")
+    photo_folder(folder, count=300, size=128)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def manifest_rows():
     """``manifest_rows(out)``: the rows of a job's ``manifest.jsonl``, in order."""
     import json

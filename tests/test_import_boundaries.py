@@ -22,8 +22,9 @@ ALLOWED = {
     "evaluation": {"core", "cams", "io", "debug", "evaluation"},
     "training": {"core", "cams", "io", "pipeline", "evaluation", "training"},
     "integrations": {"core", "cams", "training", "integrations"},
+    "units": {"core", "cams", "io", "debug", "pipeline", "units"},
     "explorer": {"core", "cams", "io", "debug", "pipeline", "evaluation", "explorer"},
-    "cli": {"core", "cams", "io", "debug", "pipeline", "evaluation", "explorer", "cli"},
+    "cli": {"core", "cams", "io", "debug", "pipeline", "evaluation", "explorer", "units", "cli"},
 }
 
 

@@ -13,8 +13,8 @@ from torch import nn
 
 import camviz
 from camviz.cams import LayerData, get, layer_pass
-from camviz.cams.layout import layout_of
 from camviz.core.errors import CamvizError
+from camviz.core.grids import layout_of
 from camviz.core.maps import normalize
 
 

@@ -124,7 +124,16 @@ def test_every_subcommand_that_runs_a_model_takes_precision_and_channels_last():
         for name, sub in _subcommands().items()
     }
     running = {name for name, flags in options.items() if "--model" in flags}
-    assert running == {"explain", "compare", "features", "inspect", "layers", "app"}
+    assert running == {
+        "explain",
+        "compare",
+        "features",
+        "inspect",
+        "layers",
+        "app",
+        "units",
+        "visualize",
+    }
     for name in running:
         assert {"--precision", "--channels-last"} <= options[name], name
 
@@ -135,6 +144,8 @@ def test_every_subcommand_that_runs_a_model_takes_precision_and_channels_last():
         ["features", "{cat}", "--layer", "layer1.0.conv1", "--out", "{out}"],
         ["inspect", "{cat}", "--csv", "{out}/table.csv"],
         ["layers", "--size", "32"],
+        ["units", "{cat}", "--layer", "layer1", "--out", "{out}"],
+        ["visualize", "--target", "unit:layer1@0", "--steps", "1", "--out", "{out}"],
     ],
 )
 def test_cli_refuses_an_emulated_precision_in_one_line(

@@ -15,8 +15,8 @@ from torchvision.models.swin_transformer import SwinTransformer
 from torchvision.models.vision_transformer import VisionTransformer
 
 import camviz
-from camviz.cams.layout import Layout, NoPatchGridError, as_spatial, layout_of, patch_size
 from camviz.core.errors import CamvizError
+from camviz.core.grids import Layout, NoPatchGridError, as_spatial, layout_of, patch_size
 from camviz.core.layers import default_target_layer
 from camviz.core.lineage import TokenGrid
 

@@ -29,7 +29,7 @@ from camviz.core.inputs import run_model
 from camviz.core.placement import Placement, Stretch
 
 if TYPE_CHECKING:
-    from camviz.cams.layout import Layout
+    from camviz.core.grids import Layout
     from camviz.core.inputs import Inputs, Key
     from camviz.core.targets import TargetObject
 
@@ -49,7 +49,7 @@ class LayerData:
         class_ids: The explained class of each sample, ``(N,)``, or ``None`` when the
             target is a callable.
         scores: The explained score of each sample in the unperturbed forward pass, ``(N,)``.
-        layout: How the layer lays out its own output (:class:`camviz.cams.layout.Layout`;
+        layout: How the layer lays out its own output (:class:`camviz.core.grids.Layout`;
             ``activations`` is its ``(N, C, h, w)`` view), for methods that edit the layer.
         hessian_products: ``H A``, the Hessian of ``y`` with respect to ``A`` applied to ``A``
             (same shape), for methods that ask for it (``uses_hessian``); else ``None``.

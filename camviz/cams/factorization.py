@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from camviz.cams.layout import layout_of, patch_size
 from camviz.core.errors import CamvizError
+from camviz.core.grids import layout_of, patch_size
 from camviz.core.hooks import capture
 from camviz.core.inputs import as_batch
 from camviz.core.layerkinds import module_kind

@@ -31,10 +31,10 @@ import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 
 from camviz.cams.base import CamMethod, LayerData
-from camviz.cams.layout import layout_of, patch_size
 from camviz.cams.registry import register
 from camviz.core.calls import CallMode
 from camviz.core.errors import CamvizError
+from camviz.core.grids import layout_of, patch_size
 from camviz.core.hooks import edit
 from camviz.core.modelstate import FusedAttention, changed
 

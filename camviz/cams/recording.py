@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from camviz.cams.base import LayerData
-from camviz.cams.layout import Layout, layout_of, patch_size
 from camviz.core.errors import CamvizError
+from camviz.core.grids import Layout, layout_of, patch_size
 from camviz.core.hooks import detach_to
 from camviz.core.inputs import Inputs
 from camviz.core.layerkinds import CallLog, Kind, module_kind, record_calls
@@ -362,7 +362,7 @@ def layer_data(
     """What a method gets for layer ``name`` of a recorded pass: one :class:`LayerData` per
     rank, activations and gradients in their ``(N, C, *grid)`` view (``kind``: the layout
     kind when known, ``tokens``: where ``layout=`` puts the patch tokens, see
-    :mod:`camviz.cams.layout`; else where the pass found them).
+    :mod:`camviz.core.grids`; else where the pass found them).
 
     Raises:
         CamvizError: The layer folds windows or heads into the batch, or its layout is unclear.

@@ -32,7 +32,17 @@ from camviz import __version__
 from camviz.cli.text import Parser, echo, one_line_warnings
 from camviz.core.errors import CamvizError, first_line
 
-SUBCOMMANDS = ("explain", "layers", "methods", "features", "inspect", "compare", "app")
+SUBCOMMANDS = (
+    "explain",
+    "layers",
+    "methods",
+    "features",
+    "inspect",
+    "compare",
+    "app",
+    "units",
+    "visualize",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

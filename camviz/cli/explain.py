@@ -17,8 +17,8 @@ from camviz.cli.options import (
 from camviz.cli.text import echo
 
 if TYPE_CHECKING:
-    import torch
-
+    from camviz.core.targets import Unit
+    from camviz.io.models import LoadedModel
     from camviz.pipeline.settings import JobSettings
 
 # Skipped inputs listed on stderr; the manifest has them all.
@@ -124,6 +124,8 @@ def _add_what_to_explain(parser: argparse.ArgumentParser) -> None:
         "--target",
         default="top1",
         help="class id, top1 (default) or topK (one map for each of the K best classes); "
+        "unit:LAYER@CHANNELS for channels of a layer (unit:layer3.1@42, unit:layer3.1@0-7: one "
+        "map each) or unit:LAYER@C,I,J for one neuron, explained at the layer before it; "
         "for segmentation and detection a class name (person) or id: the region predicted "
         "as that class (default: each image's largest class but the background), the "
         "objects of that class (default: all)",
@@ -253,7 +255,7 @@ def _not_negative(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from camviz.cli.options import load_model
+    from camviz.cli.options import load_model, model_device_option
     from camviz.io.pictures import check_render_options
     from camviz.io.volumes import is_volume
     from camviz.pipeline import distributed
@@ -261,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_render_options(args.alpha, args.colormap)
     context = distributed.from_environment()
-    device = _device(args.device) if args.device else distributed.device(context)
+    device = model_device_option(args.device, context)
     if args.task is None and all(is_volume(name) for name in args.inputs):
         args.task = "volume"  # a 3-D model of NIfTI scans, not of video clips
     loaded = load_model(args)
@@ -272,18 +274,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _settings(args: argparse.Namespace, loaded: object) -> JobSettings:
+def _settings(args: argparse.Namespace, loaded: LoadedModel) -> JobSettings:
     """The job's settings from the command line (``--similar-to`` needs the model)."""
     from camviz.cli.options import explain_settings
+    from camviz.core.targets import parse_unit
     from camviz.pipeline.settings import JobSettings, Outputs, RenderOptions
     from camviz.pipeline.tasks import TaskOptions
     from camviz.pipeline.volumes import VolumeOptions
 
+    shared = explain_settings(args)
     target = int(args.target) if args.target.lstrip("-").isdigit() else args.target
+    if args.target.startswith("unit:"):
+        target = parse_unit(args.target)
+        shared["layer"] = shared["layer"] or _layer_before(target, loaded)
     if args.similar_to is not None:
         target = _similarity(args.similar_to, loaded)
     return JobSettings(
-        **explain_settings(args),
+        **shared,
         method=args.method,
         target=target,
         render=RenderOptions(alpha=args.alpha, colormap=args.colormap),
@@ -309,6 +316,20 @@ def _settings(args: argparse.Namespace, loaded: object) -> JobSettings:
     )
 
 
+def _layer_before(unit: Unit, loaded: LoadedModel) -> str:
+    """The layer a ``--target unit:...`` is explained at without ``--layer``: the last one
+    before the unit's, found on a noise image of the model's input size (the folder job
+    would otherwise take the model's default layer for classes, after the unit)."""
+    import torch
+
+    from camviz.core.layers import default_target_layer
+
+    size = getattr(loaded.preprocess, "size", 224)
+    device = next(loaded.model.parameters()).device
+    probe = torch.rand(1, 3, size, size, generator=torch.Generator().manual_seed(0))
+    return default_target_layer(loaded.model, probe.to(device), unit)
+
+
 def _similarity(path: str, loaded: object) -> object:
     """The Similarity target for ``--similar-to``: the reference image, preprocessed."""
     from camviz.core.similarity import Similarity
@@ -316,34 +337,6 @@ def _similarity(path: str, loaded: object) -> object:
 
     reference = loaded.preprocess(load_image(path))  # type: ignore[attr-defined]
     return Similarity(reference.unsqueeze(0), name=os.path.basename(path))
-
-
-# Device types that hold data a model can run on (``meta`` holds none).
-_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
-
-
-def _device(name: str) -> torch.device:
-    """The device ``--device`` names, checked to exist here; else one line saying so."""
-    import torch
-
-    from camviz.core.errors import CamvizError, first_line
-
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise CamvizError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
-    if device.type not in _DEVICE_TYPES:
-        raise CamvizError(
-            f"camviz cannot run a model on the {device.type!r} device; use cpu, cuda or cuda:N"
-        )
-    try:
-        torch.empty(1, device=device)
-    except (RuntimeError, AssertionError) as error:
-        raise CamvizError(
-            f"device {name!r} is not available here ({first_line(error)}); use --device cpu, "
-            "or leave --device out to use a GPU when there is one"
-        ) from None
-    return device
 
 
 def _report(manifest: dict, out: str) -> None:

@@ -39,9 +39,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--order",
-        choices=("first", "strongest"),
+        choices=("first", "strongest", "weight"),
         default="first",
-        help="with --channels: the first N, or the N with the highest mean activation",
+        help="with --channels: the first N, the N with the highest mean activation, or the N "
+        "with the largest Grad-CAM weights for the image's predicted class",
     )
     parser.add_argument(
         "--colormap", default=None, help="matplotlib colour map for the grid (default grey)"
@@ -62,9 +63,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from camviz.cams.layout import as_spatial, patch_size
     from camviz.cli.options import load_model
     from camviz.cli.text import echo
+    from camviz.core.grids import as_spatial, patch_size
     from camviz.core.layerkinds import module_kind
     from camviz.core.lineage import Lineage
     from camviz.debug.extraction import features
@@ -98,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         )
         for name, output in outputs.items()
     }
+    weights = _class_weights(loaded.model, inputs, list(maps)) if args.order == "weight" else {}
     out = Path(args.out)
     for name, activations in maps.items():
         grid = out / f"{name}_grid.png"
@@ -108,11 +110,29 @@ def run(args: argparse.Namespace) -> int:
             channels=args.channels,
             order=args.order,
             colormap=args.colormap,
+            weights=weights.get(name),
         )
-        drawn = channel_figure(activations, name, channels=args.channels or 16, order=args.order)
+        drawn = channel_figure(
+            activations,
+            name,
+            channels=args.channels or 16,
+            order=args.order,
+            weights=weights.get(name),
+        )
         save(drawn, figure)
         echo(f"{name}: {tuple(activations.shape[1:])} -> {grid}, {figure}")
     return 0
+
+
+def _class_weights(
+    model: torch.nn.Module, inputs: torch.Tensor, layers: list[str]
+) -> dict[str, torch.Tensor]:
+    """Each layer's Grad-CAM channel weights for the predicted class (one explanation)."""
+    from camviz.cams.engine import explain
+
+    explained = explain(model, inputs, layer=layers)
+    assert explained.weights is not None  # Grad-CAM weighs channels
+    return {name: explained.weights[name][0] for name in layers}
 
 
 def _enlarged(activations: torch.Tensor, tile: int) -> torch.Tensor:

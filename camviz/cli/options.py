@@ -8,7 +8,13 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from camviz.io.models import LoadedModel
+    from camviz.pipeline.distributed import Context
+
+# Device types that hold data a model can run on (``meta`` holds none).
+_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 
 # Bounds of the sizes and counts the subcommands take: beyond them a run asks for more
 # memory or time than any machine has (a 10000-pixel input is 100 megapixels per image).
@@ -248,3 +254,31 @@ def load_model(args: argparse.Namespace) -> LoadedModel:
         classes=args.classes,
         task=args.task,
     )
+
+
+def model_device_option(name: str | None, context: Context) -> torch.device:
+    """The device ``--device`` names, checked to exist here (else one line saying so); without
+    it, this process's GPU if there is one (:func:`camviz.pipeline.distributed.device`)."""
+    import torch
+
+    from camviz.core.errors import CamvizError, first_line
+    from camviz.pipeline import distributed
+
+    if name is None:
+        return distributed.device(context)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise CamvizError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
+    if device.type not in _DEVICE_TYPES:
+        raise CamvizError(
+            f"camviz cannot run a model on the {device.type!r} device; use cpu, cuda or cuda:N"
+        )
+    try:
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as error:
+        raise CamvizError(
+            f"device {name!r} is not available here ({first_line(error)}); use --device cpu, "
+            "or leave --device out to use a GPU when there is one"
+        ) from None
+    return device

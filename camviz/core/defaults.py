@@ -47,6 +47,7 @@ from camviz.core.hooks import tensors_in
 from camviz.core.inputs import Inputs
 from camviz.core.layerkinds import Call, CallLog, record_calls
 from camviz.core.modelstate import HookSet, eval_mode, no_grad
+from camviz.core.taps import edit_spots, parse
 
 if TYPE_CHECKING:
     from camviz.core.targets import TargetObject
@@ -65,7 +66,7 @@ _POOLING: tuple[type[nn.Module], ...] = (
 # Layers that hand on their input at inference: their output is the map before them.
 _PASSING_ON: tuple[type[nn.Module], ...] = (nn.Identity, nn.modules.dropout._DropoutNd)
 
-_Key = tuple[int, str, str | int | None]
+_Key = tuple[int, str, str | int | None, tuple[str, ...]]
 _cache: weakref.WeakKeyDictionary[nn.Module, dict[_Key, str]] = weakref.WeakKeyDictionary()
 
 
@@ -90,7 +91,8 @@ def default_layer(
             "sample; pass layer=NAME to explain an empty batch"
         )
     rank = batch.main.dim() - 2
-    key = (rank, type(target).__name__, output_key)
+    spots = tuple(target.spots) if target is not None else ()
+    key = (rank, type(target).__name__, output_key, spots)
     per_model = _cache.setdefault(model, {})
     if key not in per_model:
         run = _dry_run(model, batch, target, output_key)
@@ -110,6 +112,7 @@ class _DryRun:
     levels: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # a consumer's input
     gradients: dict[int, torch.Tensor | None] | None = None  # None: no backward pass taken
     level_gradients: dict[str, list[torch.Tensor | None]] = field(default_factory=dict)
+    spots: dict[str, torch.Tensor] = field(default_factory=dict)  # the ones the target reads
 
 
 def _dry_run(
@@ -125,6 +128,8 @@ def _dry_run(
         source = batch.main[:1].clone().requires_grad_(real)
     sample = batch.replaced({batch.key: source}, first)
     run = _DryRun(CallLog(), skipped, None, output_key)
+    if target is not None and target.spots:  # it reads them as this pass hands them on
+        target = target.prepare(model, sample)
 
     def after(name: str, module: nn.Module, args: object, output: object) -> None:
         if isinstance(module, _PASSING_ON):
@@ -142,12 +147,18 @@ def _dry_run(
             values = args[0].values() if isinstance(args[0], Mapping) else args[0]
             run.levels.setdefault(name, [v for v in values if isinstance(v, torch.Tensor)])
 
+    def keep(spot: str, tensor: torch.Tensor) -> torch.Tensor:
+        run.spots.setdefault(spot, tensor)
+        return tensor
+
     grad = torch.enable_grad() if real else no_grad()
+    read = {spot: partial(keep, spot) for spot in (target.spots if target is not None else ())}
     with (
         HookSet() as hooks,
         torch.inference_mode(False),
         grad,
         eval_mode(model),
+        edit_spots(model, read),
         record_calls(model, source) as log,
     ):
         run.log = log
@@ -165,7 +176,7 @@ def _differentiate(run: _DryRun, target: TargetObject | None, output_key: str | 
     """The gradient of the explained score with respect to every recorded output (``None``
     where the score does not reach it), in one backward pass; nothing when the target cannot
     score this one sample (per-sample data for a larger batch): then the top class's score."""
-    score = _sample_score(run.output, target, output_key)
+    score = _sample_score(run.output, target, output_key, run.spots)
     if score is None or not score.requires_grad:
         return
     outputs = {index: tensor for index, tensor in run.tensors.items() if tensor.requires_grad}
@@ -181,13 +192,17 @@ def _differentiate(run: _DryRun, target: TargetObject | None, output_key: str | 
 
 
 def _sample_score(
-    output: Any, target: TargetObject | None, output_key: str | int | None
+    output: Any,
+    target: TargetObject | None,
+    output_key: str | int | None,
+    spots: Mapping[str, torch.Tensor],
 ) -> torch.Tensor | None:
     from camviz.core.targets import Context, as_target
 
     for chosen in (target, None) if target is not None else (None,):
         try:
-            resolved = as_target(chosen).resolve(output, Context(output_key, batch_size=1))
+            context = Context(output_key, spots, batch_size=1)
+            resolved = as_target(chosen).resolve(output, context)
             return resolved.scores[0](output)
         except CamvizError:
             continue
@@ -204,11 +219,17 @@ def _structural_layer(model: nn.Module, run: _DryRun, size: tuple[int, ...]) -> 
     """The layer :func:`default_layer` picks from what the dry run recorded."""
     inside = _inner_calls(run.log)
     head = _classifier_convolution(model, run)
+    # A target that reads a layer (a unit) is explained at a layer before it.
+    end = min(
+        (run.log.starts.get(parse(spot).name, len(run.log.calls)) for spot in run.spots),
+        default=len(run.log.calls),
+    )
     output_shapes, output_storages = _output_tensors(run.output, run.output_key)
     structural = [
         index
         for index, call in enumerate(run.log.calls)
         if index not in inside
+        and index < end
         and call.name not in run.skipped
         and (head is None or index < head)
         and _grid_of(run.log, index, size) is not None
@@ -222,7 +243,7 @@ def _structural_layer(model: nn.Module, run: _DryRun, size: tuple[int, ...]) -> 
     candidates += [
         _Candidate(start - 0.5, f"{name}:input")
         for name, start in run.log.levels.items()
-        if start - 1 not in inside and _levels_scored(run, name, size)
+        if start - 1 not in inside and start <= end and _levels_scored(run, name, size)
     ]
     if candidates:
         return max(candidates, key=lambda candidate: candidate.position).spot

@@ -21,8 +21,11 @@ import torch
 from torch import nn
 
 from camviz.core.errors import CamvizError
-from camviz.core.layerkinds import CallLog, Kind, module_kind, needs_shape
-from camviz.core.taps import parse
+from camviz.core.inputs import Inputs
+from camviz.core.layerkinds import CallLog, Kind, module_kind, needs_shape, record_calls
+from camviz.core.lineage import Lineage, TokenGrid
+from camviz.core.modelstate import eval_mode
+from camviz.core.taps import edit_spots, parse
 
 # What layout= accepts: the three kinds, and the usual spellings of the first two.
 LAYOUT_NAMES: dict[str, Kind] = {
@@ -236,3 +239,54 @@ class SpotKinds:
         if kind is not None:
             _kind_cache.setdefault(self.model, {})[(name, self.input_dims)] = kind
         return kind
+
+
+@dataclass(frozen=True)
+class SpotReading:
+    """How a spot's tensor is read outside the engine's pass (a :class:`~camviz.Unit`'s
+    layer): its layout kind and, for patch tokens, where they are."""
+
+    kind: Kind | None
+    tokens: TokenGrid | None = None
+
+
+# Readings told by a dry pass, per model, spot and input shape (tokens depend on the size).
+_reading_cache: weakref.WeakKeyDictionary[
+    nn.Module, dict[tuple[str, tuple[int, ...]], SpotReading]
+] = weakref.WeakKeyDictionary()
+
+
+def spot_reading(model: nn.Module, spot: str, inputs: Inputs) -> SpotReading:
+    """How to read ``spot``'s tensor for inputs like ``inputs``, as the engine would: a
+    channels-first kind known without a pass (:meth:`SpotKinds.known`) as it is; anything
+    else from one dry pass on the first sample, followed from the map input
+    (:class:`~camviz.core.lineage.Lineage`) to find the patch tokens, and remembered."""
+    kinds = SpotKinds(model, inputs.main.dim())
+    known = kinds.known(spot)
+    if known == "channels_first" or not inputs.size:
+        return SpotReading(known)
+    key = (spot, tuple(inputs.main.shape[1:]))
+    per_model = _reading_cache.setdefault(model, {})
+    if key not in per_model:
+        first = torch.zeros(1, dtype=torch.long, device=inputs.main.device)
+        sample = inputs.replaced({}, first)
+        lineage = Lineage(sample.main)
+        seen: dict[str, torch.Tensor] = {}
+
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            seen.setdefault(spot, tensor)
+            return tensor
+
+        with (
+            record_calls(model) as log,
+            edit_spots(model, {spot: keep}),
+            eval_mode(model),
+            torch.no_grad(),
+            lineage,
+        ):
+            sample(model)
+        if spot not in seen:
+            return SpotReading(known)
+        kind = known or kinds.told(spot, log, seen)
+        per_model[key] = SpotReading(kind, lineage.token_grid(seen[spot]))
+    return per_model[key]

@@ -21,9 +21,9 @@ import torch.nn.functional as F  # noqa: N812 - the conventional name
 from PIL import Image
 
 from camviz.cams.engine import Explanation, explain
-from camviz.cams.layout import as_spatial, patch_size
 from camviz.cams.registry import get
 from camviz.core.errors import CamvizError
+from camviz.core.grids import as_spatial, patch_size
 from camviz.core.layerkinds import module_kind
 from camviz.core.lineage import Lineage
 from camviz.debug.extraction import features

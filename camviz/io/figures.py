@@ -16,7 +16,7 @@ checks of maps of any rank (:func:`map_values`) also serve :func:`camviz.render.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -56,27 +56,45 @@ def channel_figure(
     ncols: int | None = None,
     colormap: str | Colormap | None = "viridis",
     normalize: Scaling = "channel",
+    weights: torch.Tensor | Sequence[float] | None = None,
+    beside: Mapping[int, Image.Image | torch.Tensor] | None = None,
 ) -> Figure:
     """A figure of a layer's channels, each titled with its index, the layer as suptitle.
 
     Arguments are those of :func:`channel_grid`; ``channels`` defaults to 16 because every
-    channel is its own matplotlib axes, and thousands of them take long to draw.
+    channel is its own matplotlib axes, and thousands of them take long to draw. ``beside``
+    puts a picture next to each channel it names: its top examples
+    (:func:`camviz.units.gallery.example_grid`) or its optimised image
+    (:func:`camviz.visualize_unit`, ``(3, H, W)`` in ``[0, 1]``).
     """
     from matplotlib.figure import Figure
 
-    indices, maps = select_channels(activations, channels, order, normalize)
+    indices, maps = select_channels(activations, channels, order, normalize, weights)
+    pictures = dict(beside or {})
+    per_channel = 2 if pictures else 1
     columns = grid_columns(len(indices), ncols)
     rows = math.ceil(len(indices) / columns)
-    figure = Figure(figsize=(1.5 * columns, 1.5 * rows + 0.5), layout="constrained")
-    axes = figure.subplots(rows, columns, squeeze=False).ravel()
+    size = (1.5 * columns * per_channel, 1.5 * rows + 0.5)
+    figure = Figure(figsize=size, layout="constrained")
+    axes = figure.subplots(rows, columns * per_channel, squeeze=False).ravel()
     cmap = matplotlib_colormap("gray" if colormap is None else colormap)
-    for ax, index, channel in zip(axes, indices, maps, strict=False):
+    for number, (index, channel) in enumerate(zip(indices, maps, strict=True)):
+        ax = axes[number * per_channel]
         ax.imshow(channel.numpy(), cmap=cmap, vmin=0, vmax=1)
         ax.set_title(str(index), fontsize=8)
+        if index in pictures:
+            axes[number * per_channel + 1].imshow(_picture_array(pictures[index]))
     for ax in axes:
         ax.set_axis_off()
     figure.suptitle(layer_name)
     return figure
+
+
+def _picture_array(picture: Image.Image | torch.Tensor) -> np.ndarray:
+    """An image or a ``(3, H, W)`` tensor in ``[0, 1]`` as an ``(H, W, 3)`` array."""
+    if isinstance(picture, Image.Image):
+        return np.asarray(picture.convert("RGB"))
+    return picture.detach().float().clamp(0, 1).permute(1, 2, 0).cpu().numpy()
 
 
 def panel(

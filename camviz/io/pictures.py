@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from matplotlib.colors import Colormap
 
 Heatmap: TypeAlias = torch.Tensor | np.ndarray
-Order = Literal["first", "strongest"]
+Order = Literal["first", "strongest", "weight"]
 Scaling = Literal["channel", "shared"]
 
 #: Values this far outside ``[0, 1]`` are float noise from resizing, not a wrong input.
@@ -249,6 +249,7 @@ def select_channels(
     channels: int | Sequence[int] | None = None,
     order: Order = "first",
     normalize: Scaling = "channel",
+    weights: torch.Tensor | Sequence[float] | None = None,
 ) -> tuple[list[int], torch.Tensor]:
     """Pick channels of one layer output and scale them to ``[0, 1]`` for display.
 
@@ -258,10 +259,13 @@ def select_channels(
             chosen by ``order``; or a sequence of channel indices, shown in that order.
         order: With an int ``channels``: ``"first"`` takes channels ``0 .. n-1``;
             ``"strongest"`` takes the ``n`` channels with the highest mean activation over
-            ``h x w`` (signed, before scaling), strongest first, ties by lower index.
+            ``h x w`` (signed, before scaling), strongest first; ``"weight"`` the ``n``
+            with the largest ``weights``, largest first (ties by lower index).
         normalize: ``"channel"`` scales each channel by its own min and max, showing every
             channel's pattern; ``"shared"`` uses one min and max for all picked channels,
             showing which channels are strong. A constant channel becomes zeros, never NaN.
+        weights: ``(C,)`` for ``order="weight"``: the explained class's channel weights,
+            such as ``explanation.weights[layer][0]`` of a Grad-CAM explanation.
 
     Returns:
         ``(indices, maps)``: the picked channel indices, and their ``(n, h, w)`` float32
@@ -274,13 +278,7 @@ def select_channels(
     elif isinstance(channels, int):
         if channels < 1:
             raise CamvizError(f"channels must be at least 1, got {channels}")
-        if order == "first":
-            indices = list(range(min(channels, count)))
-        elif order == "strongest":
-            strength = maps.mean(dim=(1, 2))
-            indices = torch.argsort(strength, descending=True, stable=True)[:channels].tolist()
-        else:
-            raise CamvizError(f"order must be 'first' or 'strongest', not {order!r}")
+        indices = _ordered(maps, order, weights)[:channels]
     else:
         indices = [int(index) for index in channels]
         outside = [index for index in indices if not 0 <= index < count]
@@ -297,6 +295,31 @@ def select_channels(
     raise CamvizError(f"normalize must be 'channel' or 'shared', not {normalize!r}")
 
 
+def _ordered(
+    maps: torch.Tensor, order: Order, weights: torch.Tensor | Sequence[float] | None
+) -> list[int]:
+    """Every channel of ``(C, h, w)`` maps in the order ``order`` names (ties by index)."""
+    count = maps.shape[0]
+    if order == "first":
+        return list(range(count))
+    if order == "strongest":
+        strength = maps.mean(dim=(1, 2))
+    elif order == "weight":
+        if weights is None:
+            raise CamvizError(
+                "order='weight' needs weights=, the (C,) channel weights of an explanation "
+                "(explanation.weights[layer][0])"
+            )
+        strength = torch.as_tensor(weights).detach().float().cpu().flatten()
+        if strength.numel() != count:
+            raise CamvizError(
+                f"weights has {strength.numel()} values, but the layer has {count} channels"
+            )
+    else:
+        raise CamvizError(f"order must be 'first', 'strongest' or 'weight', not {order!r}")
+    return torch.argsort(strength, descending=True, stable=True).tolist()
+
+
 def channel_grid(
     activations: torch.Tensor,
     path: str | os.PathLike[str] | None = None,
@@ -306,6 +329,7 @@ def channel_grid(
     ncols: int | None = None,
     colormap: str | Colormap | None = None,
     normalize: Scaling = "channel",
+    weights: torch.Tensor | Sequence[float] | None = None,
 ) -> torch.Tensor:
     """Tile a layer's channels into one image, each channel scaled to ``[0, 1]``.
 
@@ -313,17 +337,18 @@ def channel_grid(
         activations: ``(C, h, w)`` or ``(1, C, h, w)`` layer output.
         path: Where to write the grid (PNG, JPEG...), atomically; ``None`` writes nothing.
         channels: Which channels; see :func:`select_channels`.
-        order: ``"first"`` or ``"strongest"`` (highest mean activation); see
-            :func:`select_channels`.
+        order: ``"first"``, ``"strongest"`` (highest mean activation) or ``"weight"``
+            (largest ``weights``); see :func:`select_channels`.
         ncols: Tiles per row; ``None`` makes the grid about square.
         colormap: A matplotlib colour map for the tiles; ``None`` draws them in grey.
         normalize: ``"channel"`` or ``"shared"``; see :func:`select_channels`.
+        weights: The channel weights ``order="weight"`` sorts by.
 
     Returns:
         The ``(3, H, W)`` float grid in ``[0, 1]``, tiles separated by 1-pixel white lines
         (a single channel comes back as its tile alone).
     """
-    _, maps = select_channels(activations, channels, order, normalize)
+    _, maps = select_channels(activations, channels, order, normalize, weights)
     if colormap is None:
         tiles = maps.unsqueeze(1).expand(-1, 3, -1, -1)
     else:

@@ -8,6 +8,8 @@ A *target* turns the model's output into one score per sample (and per rank, for
 * a sequence or 1-D tensor of ints - one class per sample (as many as the batch);
 * an ``(N, K)`` tensor of ints - K given classes per sample, one map per rank;
 * :class:`Region` - a class's logits summed over a region of a segmentation output;
+* :class:`Unit` - a unit inside the model: a channel's mean over its layer's grid, one
+  neuron, or a direction in channel space (:mod:`camviz.core.targets.unit`);
 * :class:`~camviz.core.detection.Detection` - one object a detector found, by index or by
   box and class (:mod:`camviz.core.detection`);
 * :class:`Contrast` - ``y_a - alpha * y_b``: why ``a`` rather than ``b``, any two targets
@@ -74,6 +76,7 @@ from camviz.core.targets.protocol import (
     TargetObject,
 )
 from camviz.core.targets.region import Region
+from camviz.core.targets.unit import Unit, parse_unit
 
 __all__ = [
     "CallableTarget",
@@ -90,6 +93,7 @@ __all__ = [
     "Target",
     "TargetObject",
     "TopK",
+    "Unit",
     "UserScore",
     "as_logits",
     "as_target",
@@ -98,6 +102,7 @@ __all__ = [
     "class_name",
     "is_per_sample_list",
     "nearest_classes",
+    "parse_unit",
     "probability_score",
     "row_count",
     "score_fns",

@@ -1,0 +1,1 @@
+"""What a unit sees: top-activating examples, receptive fields and feature visualisation."""
