@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from camviz.cli.options import (
+    add_compile_option,
     add_layout_option,
     add_memory_budget_option,
     add_model_options,
@@ -53,6 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_batches(parser)
     add_precision_options(parser)
     add_memory_budget_option(parser)
+    add_compile_option(parser)
     add_layout_option(parser)
     _add_task_options(parser)
     _add_volume_options(parser)

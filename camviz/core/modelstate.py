@@ -226,7 +226,7 @@ class DetectorInputSize(_SetAttributes):
 
 
 # Channels-last memory formats by tensor rank: images (N, C, H, W) and volumes (N, C, D, H, W).
-_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+CHANNELS_LAST_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
 @dataclass
@@ -270,8 +270,8 @@ class ForwardPrecision(ModelChange):
                 saved.autocasts.append(context)
             if self.channels_last:
                 args = tuple(
-                    arg.contiguous(memory_format=_CHANNELS_LAST[arg.dim()])
-                    if isinstance(arg, torch.Tensor) and arg.dim() in _CHANNELS_LAST
+                    arg.contiguous(memory_format=CHANNELS_LAST_FORMATS[arg.dim()])
+                    if isinstance(arg, torch.Tensor) and arg.dim() in CHANNELS_LAST_FORMATS
                     else arg
                     for arg in args
                 )
