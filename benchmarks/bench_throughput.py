@@ -120,11 +120,14 @@ def main() -> None:
     elif args.repeat < 7:
         parser.error("--repeat must be at least 7: each figure is a median of 7 rounds or more")
     loaded = camviz.io.models.load()
-    reduced = {"precision": "bf16", "channels_last": True}
+    reduced: dict[str, Any] = {"precision": "bf16", "channels_last": True}
     try:
         check_precision("bf16", torch.device("cpu"), used=True)
     except CamvizError as refused:
         print(f"bf16 not measured: {refused}")
+        reduced = {}
+    if torch.backends.cpu.get_cpu_capability() == "AVX2":
+        print("bf16 not measured: ATEN_CPU_CAPABILITY=avx2 stands in for a CPU without it")
         reduced = {}
     folder = Path(tempfile.mkdtemp(prefix="camviz-bench-"))
     try:
