@@ -145,7 +145,7 @@ def _add_what_to_explain(parser: argparse.ArgumentParser) -> None:
         help="explain why each input matches TEXT to a CLIP-like model (--model hf:DIR of a "
         "CLIPModel or SiglipModel saved with its tokenizer): the cosine similarity of the "
         "image's and the text's embeddings; repeat for several texts, one map each "
-        "(NAME_rank1_... is the first --prompt)",
+        "(NAME_rank1_... for the first --prompt, and so on)",
     )
     parser.add_argument("--method", default="gradcam", help="CAM method (see `camviz methods`)")
 
