@@ -18,6 +18,7 @@ from torch import nn
 
 import camviz
 from camviz.core.layers import layer_shapes
+from camviz.io import models
 from camviz.units.fields import receptive_field
 
 
@@ -75,6 +76,7 @@ PASSES: dict[str, Callable[[nn.Module, torch.Tensor], object]] = {
     "top_examples": lambda model, x: camviz.top_examples(model, _Images(x), _CHANNEL, k=1),
     "visualize_unit": lambda model, x: camviz.visualize_unit(model, _CHANNEL, size=16, steps=2),
     "receptive_field": lambda model, x: receptive_field(model, x, "features", how="measured"),
+    "load's class count": lambda model, x: models._output_classes(model, x),
 }
 
 

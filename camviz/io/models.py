@@ -62,7 +62,7 @@ from torch import nn
 
 from camviz.core.errors import CamvizError, first_line
 from camviz.core.layers import default_target_layer
-from camviz.core.modelstate import DetectorInputSize, ModelChange, changed
+from camviz.core.modelstate import DetectorInputSize, ModelChange, changed, no_grad
 from camviz.io.architectures import DEFAULT_CLIP_LEN as DEFAULT_CLIP_LEN
 from camviz.io.architectures import OFFLINE_MODEL as OFFLINE_MODEL
 from camviz.io.architectures import TIMM_PREFIX as TIMM_PREFIX
@@ -339,7 +339,7 @@ def _output_classes(model: nn.Module, blank: torch.Tensor) -> int | None:
     from camviz.core.targets import as_logits
 
     try:
-        with torch.no_grad():
+        with no_grad():  # ordinary tensors, also in a caller's inference mode
             output = as_logits(model(blank))
     except Exception:  # a model of other inputs: its classes stay unnamed
         return None
