@@ -20,7 +20,8 @@ Which rule applies is recorded during a forward pass (:func:`recording`): a forw
 every ``GeneralizedRCNNTransform`` and every :class:`CentredLetterbox` in the model (found
 by type, so a detector inside a wrapper is found too) reads the padded size and the resized
 sizes (and offsets) from what it returns. The images the detector is given are taken to be
-the map input's samples (a wrapper that resizes them first is read as a stretch).
+the map input's samples (a wrapper that resizes them first is read as a stretch, and so is
+Hugging Face's DETR-style resize without padding, the :class:`AspectResize` module).
 
 A batch of images of different sizes (a list given to a detector, see
 :mod:`camviz.core.inputs`) is a zero-padded canvas: sample ``n`` fills its top-left corner
@@ -186,6 +187,58 @@ class CentredLetterbox(nn.Module):
             images = F.interpolate(images, size=(height, width), mode="bilinear")
         bottom, right = self.size - height - top, self.size - width - left
         return F.pad(images, (left, right, top, bottom), value=self.fill)
+
+
+class AspectResize(nn.Module):
+    """A detector's resize of its images without padding, as Hugging Face's processors of
+    DETR-style detectors do it: the shorter side to ``shortest`` pixels unless the longer
+    would then pass ``longest`` (then the longer side to ``longest``), or both sides to
+    ``fixed``. The grid still covers the whole image, so maps are laid by :class:`Stretch`.
+
+    Attributes:
+        shortest: The shorter side (``None`` with ``fixed``).
+        longest: The most pixels of the longer side (``None``: no limit).
+        fixed: ``(height, width)`` of every image, when the processor squashes to one size.
+    """
+
+    def __init__(
+        self,
+        shortest: int | None = None,
+        longest: int | None = None,
+        fixed: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__()
+        if (shortest is None) == (fixed is None):
+            raise CamvizError("an AspectResize takes a shorter side or a fixed size, not both")
+        self.shortest = shortest
+        self.longest = longest
+        self.fixed = fixed
+
+    def size(self, height: int, width: int) -> tuple[int, int]:
+        """The ``(height, width)`` an image of ``height x width`` is resized to."""
+        if self.fixed is not None:
+            return self.fixed
+        assert self.shortest is not None
+        short, long = min(height, width), max(height, width)
+        target = self.shortest
+        if self.longest is not None and long * target > self.longest * short:
+            target = round(self.longest * short / long)  # the longer side at the limit
+        if short == target:
+            return height, width
+        if height <= width:
+            return target, int(target * width / height)
+        return int(target * height / width), target
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        size = self.size(*images.shape[-2:])
+        if size == tuple(images.shape[-2:]):
+            return images
+        return F.interpolate(images, size=size, mode="bilinear", align_corners=False)
+
+
+def aspect_resizes(model: nn.Module) -> list[AspectResize]:
+    """The model's :class:`AspectResize` modules."""
+    return [module for module in model.modules() if isinstance(module, AspectResize)]
 
 
 def takes_image_lists(model: nn.Module) -> bool:
