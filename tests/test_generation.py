@@ -77,35 +77,40 @@ def _processor_options() -> dict:
     }
 
 
-def _answering(model):
-    """A random model that does not stop at once: no end token, so T tokens come out."""
+def _ready(model, processor):
+    """A random model that does not stop at once (no end token, so T tokens come out),
+    run once: transformers hooks its layers for good on a model's first call, which the
+    checks of the model's state would see."""
     model.generation_config.eos_token_id = None
-    return model.eval()
+    photo = Image.new("RGB", (32, 32))
+    with torch.no_grad():
+        model(**processor(images=photo, text=PROMPT, return_tensors="pt"))
+    return model.eval(), processor
 
 
 @pytest.fixture(scope="module")
 def llava():
     torch.manual_seed(0)
-    model = _answering(
-        transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(**_configs()))
-    )
+    model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(**_configs()))
     images = transformers.LlavaImageProcessor(
         size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
     )
-    return model, transformers.LlavaProcessor(image_processor=images, **_processor_options())
+    processor = transformers.LlavaProcessor(image_processor=images, **_processor_options())
+    return _ready(model, processor)
 
 
 @pytest.fixture(scope="module")
 def llava_next():
     torch.manual_seed(1)
     config = transformers.LlavaNextConfig(**_configs(), image_grid_pinpoints=PINPOINTS)
-    model = _answering(transformers.LlavaNextForConditionalGeneration(config))
+    model = transformers.LlavaNextForConditionalGeneration(config)
     images = transformers.LlavaNextImageProcessor(
         size={"shortest_edge": 32},
         crop_size={"height": 32, "width": 32},
         image_grid_pinpoints=PINPOINTS,
     )
-    return model, transformers.LlavaNextProcessor(image_processor=images, **_processor_options())
+    processor = transformers.LlavaNextProcessor(image_processor=images, **_processor_options())
+    return _ready(model, processor)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +161,7 @@ def _projector_input(model, inputs):
 def test_each_token_map_is_grad_cam_of_its_logit_at_the_projector(kind, request, photo, untouched):
     model, processor = request.getfixturevalue(kind)
     inputs = processor(images=photo, text=PROMPT, return_tensors="pt")
-    with torch.no_grad():  # transformers hooks its layers for good on a model's first call
+    with torch.no_grad():
         expected = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)
     model.train()  # handed back in train mode, with a frozen parameter
     model.model.multi_modal_projector.linear_1.bias.requires_grad_(False)
@@ -216,6 +221,28 @@ def test_what_the_processor_cropped_away_has_no_map(llava, photo):
     assert generation.heatmaps[0][:, outside].abs().max() == 0
     assert generation.heatmaps[0][:, ~outside].amin() >= 0
     assert generation.heatmaps[0][:, ~outside].amax() > 0
+
+
+def test_an_error_in_the_explaining_pass_leaves_the_model_as_it_came(llava, photo, untouched):
+    """The user's own hook on the head fails in the teacher-forced pass (after the decoding
+    steps): a ModelError, and the tap and eval mode are undone."""
+    model, processor = llava
+    calls = []
+
+    def fail_after_decoding(module, args, output):
+        calls.append(1)
+        if len(calls) > NEW_TOKENS:
+            raise RuntimeError("the user's hook failed")
+
+    handle = model.lm_head.register_forward_hook(fail_after_decoding)
+    model.train()
+    try:
+        with untouched(model), pytest.raises(camviz.ModelError, match="the user's hook failed"):
+            camviz.explain_generation(model, processor, photo, PROMPT, max_new_tokens=NEW_TOKENS)
+    finally:
+        handle.remove()
+        model.eval()
+    assert len(calls) == NEW_TOKENS + 1
 
 
 def test_one_line_errors(llava, photo):
