@@ -39,7 +39,7 @@ def _tokenizer():
     )
 
 
-def _configs() -> dict:
+def _configs(strategy: str = "default") -> dict:
     vision = transformers.CLIPVisionConfig(
         hidden_size=16,
         intermediate_size=32,
@@ -64,15 +64,15 @@ def _configs() -> dict:
         "text_config": text,
         "image_token_id": WORDS.index("<image>"),
         "vision_feature_layer": -1,
-        "vision_feature_select_strategy": "default",
+        "vision_feature_select_strategy": strategy,
     }
 
 
-def _processor_options() -> dict:
+def _processor_options(strategy: str = "default") -> dict:
     return {
         "tokenizer": _tokenizer(),
         "patch_size": 8,
-        "vision_feature_select_strategy": "default",
+        "vision_feature_select_strategy": strategy,
         "num_additional_image_tokens": 1,
     }
 
@@ -88,15 +88,26 @@ def _ready(model, processor):
     return model.eval(), processor
 
 
-@pytest.fixture(scope="module")
-def llava():
+def _llava(strategy: str):
     torch.manual_seed(0)
-    model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(**_configs()))
+    config = transformers.LlavaConfig(**_configs(strategy))
+    model = transformers.LlavaForConditionalGeneration(config)
     images = transformers.LlavaImageProcessor(
         size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
     )
-    processor = transformers.LlavaProcessor(image_processor=images, **_processor_options())
-    return _ready(model, processor)
+    options = _processor_options(strategy)
+    return _ready(model, transformers.LlavaProcessor(image_processor=images, **options))
+
+
+@pytest.fixture(scope="module")
+def llava():
+    return _llava("default")
+
+
+@pytest.fixture(scope="module")
+def llava_with_class_token():
+    """vision_feature_select_strategy="full": the projector also gets the class token."""
+    return _llava("full")
 
 
 @pytest.fixture(scope="module")
@@ -140,24 +151,26 @@ def _hand_references(model, processor, photo, token_ids):
     finally:
         handle.remove()
     start = inputs["input_ids"].shape[1] - 1
+    first = 1 if model.config.vision_feature_select_strategy == "full" else 0  # class token
     maps = []
     for t, token in enumerate(token_ids.tolist()):
         (gradient,) = torch.autograd.grad(logits[start + t, token], leaf, retain_graph=True)
-        weights = gradient[0].mean(dim=0)  # alpha_k = mean over the patches of dy/dA^k
-        maps.append((projected[0] @ weights).reshape(4, 4))  # sum_k alpha_k A^k
+        weights = gradient[0, first:].mean(dim=0)  # alpha_k = mean over the patches of dy/dA^k
+        maps.append((projected[0, first:] @ weights).reshape(4, 4))  # sum_k alpha_k A^k
     return torch.stack(maps), logits[start : start + len(token_ids)].detach()
 
 
 def _projector_input(model, inputs):
-    """The vision tower's patch tokens (class token dropped) for every view of the image."""
+    """The vision tower's tokens for every view of the image, without the class token
+    unless the model keeps it."""
     pixels = inputs["pixel_values"]
     if pixels.dim() == 5:  # LLaVA-NeXT: (1, views, 3, h, w)
         pixels = pixels[0]
     hidden = model.model.vision_tower(pixels, output_hidden_states=True).hidden_states[-1]
-    return hidden[:, 1:]
+    return hidden if model.config.vision_feature_select_strategy == "full" else hidden[:, 1:]
 
 
-@pytest.mark.parametrize("kind", ["llava", "llava_next"])
+@pytest.mark.parametrize("kind", ["llava", "llava_with_class_token", "llava_next"])
 def test_each_token_map_is_grad_cam_of_its_logit_at_the_projector(kind, request, photo, untouched):
     model, processor = request.getfixturevalue(kind)
     inputs = processor(images=photo, text=PROMPT, return_tensors="pt")
@@ -195,12 +208,17 @@ def test_the_window_is_where_the_processor_puts_the_photo(llava, llava_next):
     rows, columns = np.mgrid[0:40, 0:56]
     ramp = np.stack([columns * 4, rows * 4, np.zeros_like(rows)], axis=-1).astype(np.uint8)
     photo = Image.fromarray(ramp)
-    for model, processor, pad in [(*llava, False), (*llava, True), (*llava_next, False)]:
-        processor.image_processor.do_pad = pad
-        processed = processor.image_processor(photo, do_normalize=False, return_tensors="pt")
-        pixels = processed["pixel_values"][0]
+    padding = llava[1].image_processor
+    for model, processor, pad in [(*llava, False), (*llava, True), (*llava_next, None)]:
+        try:
+            if pad is not None:  # LLaVA's pad to a square (LLaVA-NeXT's do_pad pads batches)
+                padding.do_pad = pad
+            processed = processor.image_processor(photo, do_normalize=False, return_tensors="pt")
+            pixels = processed["pixel_values"][0]
+            window = base_window(processor, llava_of(model), (40, 56), tuple(pixels.shape[-2:]))
+        finally:
+            padding.do_pad = False
         pixels = pixels[0] if pixels.dim() == 4 else pixels  # LLaVA-NeXT's base image
-        window = base_window(processor, llava_of(model), (40, 56), tuple(pixels.shape[-2:]))
         centres = torch.arange(32, dtype=torch.float64) + 0.5
         seen_x = window.left + centres * window.width / 32 - 0.5  # photo column of each one
         seen_y = window.top + centres * window.height / 32 - 0.5
@@ -209,7 +227,6 @@ def test_the_window_is_where_the_processor_puts_the_photo(llava, llava_next):
         inside_y = (seen_y > 2) & (seen_y < 37)
         torch.testing.assert_close(got_x[16, inside_x], seen_x[inside_x], atol=0.35, rtol=0)
         torch.testing.assert_close(got_y[inside_y, 16], seen_y[inside_y], atol=0.35, rtol=0)
-    llava[1].image_processor.do_pad = False
 
 
 def test_what_the_processor_cropped_away_has_no_map(llava, photo):
