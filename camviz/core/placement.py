@@ -16,6 +16,10 @@ kept, and padded on both sides with grey. camviz runs that step inside the model
 :class:`CentredLetterbox` module (so that the map input is the photo itself); the image then
 lies centred in the padded square, at the offsets the module records.
 
+A vision-language model's image processor resizes, pads or crops the photo before its
+vision tower sees it; :class:`Window` lays a map on the photo through that geometry, given
+as the window of the photo (in its pixels) that the processed image covers.
+
 Which rule applies is recorded during a forward pass (:func:`recording`): a forward hook on
 every ``GeneralizedRCNNTransform`` and every :class:`CentredLetterbox` in the model (found
 by type, so a detector inside a wrapper is found too) reads the padded size and the resized
@@ -132,6 +136,54 @@ class Letterbox(Placement):
             # Edge values outside the image keep per-map statistics those of the image.
             pad = (0, self.canvas[1] - image_size[1], 0, self.canvas[0] - image_size[0])
             laid[index] = F.pad(image.unsqueeze(1), pad, mode="replicate")[:, 0]
+        return laid if size is None else upsample(laid, size)
+
+
+@dataclass(frozen=True)
+class Window(Placement):
+    """The grid covers a window of the input given in the input's pixels, which may reach
+    beyond it (a processor that padded the image) or cover part of it (one that cropped):
+    the map is resized onto the window, and the input's pixels outside it, which the model
+    never saw, are zero.
+
+    Attributes:
+        top, left: The window's corner on the input, in pixels (fractions allowed).
+        height, width: Its extent, in pixels.
+        canvas: The input's ``(H, W)``.
+    """
+
+    top: float
+    left: float
+    height: float
+    width: float
+    canvas: Size
+
+    def lay(
+        self,
+        maps: torch.Tensor,
+        samples: torch.Tensor | None = None,
+        size: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        rows, columns = self.canvas
+        # Where each pixel centre falls in the window, 0 to 1 across it; grid_sample's
+        # coordinates run from -1 to 1 over the map's outer cell edges (align_corners=False),
+        # as F.interpolate's, so a window over the whole input is exactly Stretch.
+        down = (
+            torch.arange(rows, device=maps.device, dtype=maps.dtype) + 0.5 - self.top
+        ) / self.height
+        across = (
+            torch.arange(columns, device=maps.device, dtype=maps.dtype) + 0.5 - self.left
+        ) / self.width
+        grid = torch.stack(torch.meshgrid(2 * across - 1, 2 * down - 1, indexing="xy"), dim=-1)
+        laid = F.grid_sample(
+            maps.unsqueeze(1),
+            grid.expand(len(maps), rows, columns, 2),
+            mode="bilinear",
+            padding_mode="border",
+            align_corners=False,
+        )[:, 0]
+        inside = ((down >= 0) & (down <= 1))[:, None] & ((across >= 0) & (across <= 1))[None, :]
+        laid = laid * inside
         return laid if size is None else upsample(laid, size)
 
 
