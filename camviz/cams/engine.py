@@ -301,11 +301,11 @@ class _Passes:
         target: TargetObject,
     ) -> _Passes:
         """The passes at the spots ``layer`` names (or the default layer's, for ``target``)."""
-        layers = (
-            [default_target_layer(model, batch, target, output_key)]
-            if layer is None
-            else spot_keys(model, layer, at)
-        )
+        if layer is None:
+            own = cam.default_layer(model, batch)
+            layers = [own or default_target_layer(model, batch, target, output_key)]
+        else:
+            layers = spot_keys(model, layer, at)
         return cls(
             cam, model, layers, SpotKinds.of(model, batch.main.dim(), layers, layout), output_key
         )
@@ -321,6 +321,7 @@ class _Passes:
             output_key=self.output_key,
             hessian=self.cam.uses_hessian,
             record=calls,
+            attention=self.cam.attention,
         )
 
     def first(self, batch: Inputs, target: TargetObject) -> LayerPass:
