@@ -427,7 +427,8 @@ def test_attention_settings_come_back_after_an_error_mid_pass(build, method, inp
     handle = model.get_submodule(blocks[-1]).register_forward_hook(fail)
     try:
         with untouched(model), pytest.raises(RuntimeError, match="mid-pass"):
-            camviz.explain(model, inputs, method, layer=blocks[-1], target=lambda y: logits_of(y).sum(-1))
+            target = lambda y: logits_of(y).sum(-1)  # noqa: E731
+            camviz.explain(model, inputs, method, layer=blocks[-1], target=target)
     finally:
         handle.remove()
     assert attention_settings(model) == settings
