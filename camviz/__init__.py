@@ -90,6 +90,7 @@ PUBLIC_MODULES = {
 # DeprecationWarning that names the new path (see CHANGELOG.md); names that moved out of a
 # public module warn the same way (camviz._deprecation).
 MOVED_MODULES = {
+    "camviz.cams.layout": "camviz.core.grids",
     "camviz.dataset": "camviz.pipeline.dataset",
     "camviz.distributed": "camviz.pipeline.distributed",
     "camviz.errors": "camviz.core.errors",
