@@ -32,7 +32,7 @@ class AttentionMethod(CamMethod):
     """A method whose map is a relevance matrix between tokens built from every block's
     attention; subclasses implement :meth:`relevance`."""
 
-    needs = "vision transformers: every block's attention"
+    needs = "vision transformers: each block's attention"
     uses_gradients = False
     spatial_ranks: ClassVar[tuple[int, ...]] = (2, 3)
     attention: ClassVar[Literal["probabilities", "gradients"] | None] = "probabilities"

@@ -43,7 +43,7 @@ class GradientRollout(AttentionMethod):
         "Abnar & Zuidema, Quantifying Attention Flow in Transformers, ACL 2020, weighted by "
         "gradients as in Chefer et al., CVPR 2021"
     )
-    needs = "vision transformers: every block's attention and its gradients"
+    needs = "vision transformers: each block's attention and its gradient"
     attention = "gradients"
 
     def __init__(self, discard_ratio: float = 0.0) -> None:

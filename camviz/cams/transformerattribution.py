@@ -35,7 +35,7 @@ class TransformerAttribution(AttentionMethod):
         "Chefer, Gur & Wolf, Generic Attention-model Explainability for Interpreting "
         "Bi-Modal and Encoder-Decoder Transformers, ICCV 2021"
     )
-    needs = "vision transformers: every block's attention and its gradients"
+    needs = "vision transformers: each block's attention and its gradient"
     attention = "gradients"
 
     def relevance(self, attention: AttentionMaps) -> torch.Tensor:
