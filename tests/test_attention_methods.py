@@ -483,3 +483,13 @@ def test_the_cli_explains_and_compares_with_the_attention_methods(
     assert main(["compare", str(cat_path), *source, *compared]) == 0
     report = (tmp_path / "compare" / "report.html").read_text()
     assert "attention_rollout" in report and "transformer_attribution" in report
+
+
+def test_wrappers_hand_their_base_the_attention(inputs):
+    """Finer-CAM over transformer attribution is transformer attribution of its contrast."""
+    model = tiny_vit()
+    wrapped = camviz.explain(model, inputs, "finercam", base="transformer_attribution", target=2)
+    contrast = camviz.Contrast(2, camviz.Nearest(3), alpha=0.6)
+    plain = camviz.explain(model, inputs, "transformer_attribution", target=contrast)
+    torch.testing.assert_close(wrapped.layer_maps, plain.layer_maps)
+    assert wrapped.layers == plain.layers == ["encoder.layers.encoder_layer_1"]

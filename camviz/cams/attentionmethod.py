@@ -35,14 +35,13 @@ class AttentionMethod(CamMethod):
     needs = "vision transformers: each block's attention"
     uses_gradients = False
     spatial_ranks: ClassVar[tuple[int, ...]] = (2, 3)
-    attention: ClassVar[Literal["probabilities", "gradients"] | None] = "probabilities"
+    attention: Literal["probabilities", "gradients"] | None = "probabilities"
 
     @classmethod
     def applies_to(cls, model: nn.Module) -> bool:
         return bool(attention_blocks(model))
 
-    @classmethod
-    def default_layer(cls, model: nn.Module, batch: Inputs) -> str | None:
+    def default_layer(self, model: nn.Module, batch: Inputs) -> str | None:
         blocks = attention_blocks(model)
         if not blocks:
             return None  # the pass's capture says why in one line

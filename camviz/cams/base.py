@@ -141,15 +141,14 @@ class CamMethod:
     input_resolution: ClassVar[bool] = False
     reduced_precision: ClassVar[bool] = True
     pixel_level: ClassVar[bool] = False
-    attention: ClassVar[Literal["probabilities", "gradients"] | None] = None
+    attention: Literal["probabilities", "gradients"] | None = None
 
     @classmethod
     def applies_to(cls, model: nn.Module) -> bool:
         """Whether the method can explain ``model`` (LeGrad needs a vision transformer)."""
         return True
 
-    @classmethod
-    def default_layer(cls, model: nn.Module, batch: Inputs) -> str | None:
+    def default_layer(self, model: nn.Module, batch: Inputs) -> str | None:
         """The layer explained when none is named; ``None``: camviz's default layer
         (:func:`camviz.core.layers.default_target_layer`). The attention methods take the
         last transformer block."""
