@@ -143,9 +143,8 @@ def explain(
             ``"name[0]"`` / ``"name[key]"`` takes one element of a tuple, list or dict
             output, and a layer whose output holds feature maps (an FPN's levels) gives one
             map per level, fused (:mod:`camviz.core.taps`). ``None``: the default target
-            layer (:func:`camviz.core.layers.default_target_layer`; the method's own where
-            it has one: the last transformer block for the attention methods, whose
-            ``layer=`` names the last block they read).
+            layer (:func:`camviz.core.layers.default_target_layer`), or the method's own
+            (the attention methods: the last block, ``layer=`` the last block read).
         target: What to explain (:mod:`camviz.core.targets`): a class id, ids, ``None`` for
             the top class (or the output itself when it is one number per sample),
             ``"top3"``, a ``Region``, ``Contrast``, ``Similarity`` or ``Detection``, or a
