@@ -1,7 +1,7 @@
 """Attention rollout, gradient rollout, Chefer et al.'s transformer attribution and LeGrad,
 against their formulas written out by hand, on tiny random vision transformers of
-torchvision, timm (with register tokens), Hugging Face (eager and sdpa) and MONAI, fused
-attention on and off.
+torchvision, timm (with register tokens), Hugging Face (ViT, CLIP's vision tower, DINOv2,
+SigLIP; eager and sdpa) and MONAI, fused attention on and off.
 
 The hand references run each model with its attention computed explicitly and read the
 attention tensors the model itself multiplies with its values (a hook on the dropout that
@@ -493,3 +493,46 @@ def test_wrappers_hand_their_base_the_attention(inputs):
     plain = camviz.explain(model, inputs, "transformer_attribution", target=contrast)
     torch.testing.assert_close(wrapped.layer_maps, plain.layer_maps)
     assert wrapped.layers == plain.layers == ["encoder.layers.encoder_layer_1"]
+
+
+def hf_vision_tower(kind: str) -> nn.Module:
+    import transformers
+
+    config, model = {
+        "dinov2": (transformers.Dinov2Config, transformers.Dinov2Model),
+        "siglip": (transformers.SiglipVisionConfig, transformers.SiglipVisionModel),
+    }[kind]
+    torch.manual_seed(0)
+    sizes = {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2}
+    return model(config(image_size=32, patch_size=8, intermediate_size=32, **sizes)).eval()
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("kind", ["dinov2", "siglip"])
+def test_transformer_attribution_on_dinov2_and_siglip_equals_the_formula(
+    kind, implementation, inputs, untouched
+):
+    """DINOv2 reads its class token's row; SigLIP, without one, the mean of the rows."""
+    model = hf_vision_tower(kind)
+
+    def first_feature(output) -> torch.Tensor:
+        return output.pooler_output[:, 0]
+
+    model.config._attn_implementation = "eager"
+    output = model(pixel_values=inputs, output_attentions=True)
+    gradients = torch.autograd.grad(first_feature(output).sum(), output.attentions)
+    relevance = hand_chefer([a.detach() for a in output.attentions], gradients)
+    rows = relevance[:, 0, 1:] if kind == "dinov2" else relevance.mean(dim=1)
+    model.config._attn_implementation = implementation
+    settings = attention_settings(model)
+    with untouched(model):
+        result = camviz.explain(
+            model,
+            inputs,
+            "transformer_attribution",
+            target=first_feature,
+            relu=False,
+            normalize=False,
+        )
+    assert attention_settings(model) == settings
+    torch.testing.assert_close(result.layer_maps, rows.reshape(-1, *GRID), rtol=1e-5, atol=1e-7)
