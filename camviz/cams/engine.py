@@ -7,7 +7,7 @@ what it recorded, lets the method turn it into raw maps, finishes them
 copies, :mod:`camviz.cams.augmentation`) and returns an :class:`Explanation`. Inputs of any
 spatial rank, several inputs (:mod:`camviz.core.inputs`), taps on a layer's input or one
 element of its output (:mod:`camviz.core.taps`), and layouts told from the module that
-produced an output (:mod:`camviz.core.layouts`, :mod:`camviz.cams.layout`) all meet here.
+produced an output (:mod:`camviz.core.layouts`, :mod:`camviz.core.grids`) all meet here.
 
 Whatever happens, the model comes back as it was: hooks removed, every module's train/eval
 flag restored, ``requires_grad`` and ``.grad`` never touched.
@@ -32,11 +32,11 @@ from torch import nn
 from camviz.cams.augmentation import Augmentation, aug_scales
 from camviz.cams.base import CamMethod, ChannelWeighted, InputMapMethod
 from camviz.cams.finishing import Finished, Finishing, Fuse, Maps, RawMaps
-from camviz.cams.layout import NoPatchGridError
 from camviz.cams.recording import LayerPass, layer_data, layer_pass, spot_layout
 from camviz.cams.registry import create
 from camviz.core.errors import CamvizError, NonFiniteError
 from camviz.core.finite import first_nonfinite_layer, is_finite
+from camviz.core.grids import NoPatchGridError
 from camviz.core.inputs import Inputs, Key, as_inputs
 from camviz.core.layerkinds import Kind
 from camviz.core.layers import Layer, default_target_layer, patch_token_layers

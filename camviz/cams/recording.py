@@ -85,7 +85,7 @@ class LayerPass:
         return self.resolved.class_ids
 
 
-class _Tap:
+class Tap:
     """The forward-hook edit on one target spot (see the module docstring).
 
     A spot that holds a tuple, list or dict (an FPN's levels) is tapped at each of its
@@ -188,7 +188,7 @@ def layer_pass(
     lineage = Lineage(batch.main) if follow else None
     # A caller's inference mode would stop the graph too.
     with exclusive(model), torch.inference_mode(False):
-        taps = {name: _Tap(name, gradients, batch.main.dim() - 2, lineage) for name in layers}
+        taps = {name: Tap(name, gradients, batch.main.dim() - 2, lineage) for name in layers}
         # Exact gradients through a detector's RoI heads for the RoIs a score uses (second
         # order would need the replay's graph twice: ShapleyCAM takes the plain path).
         shortcut = (
@@ -231,7 +231,7 @@ def _may_hold_tokens(model: nn.Module, name: str) -> bool:
 def _forward(
     model: nn.Module,
     batch: Inputs,
-    taps: dict[str, _Tap],
+    taps: dict[str, Tap],
     target: TargetObject,
     shortcut: RoIRows | None,
     record: bool,
@@ -251,7 +251,7 @@ def _forward(
                 output = batch(model)
         else:
             output = batch(model)
-    edits: dict[str, _Tap | _Watch] = {**taps, **watches}
+    edits: dict[str, Tap | _Watch] = {**taps, **watches}
     for edit in edits.values():
         if not edit.ran:
             raise CamvizError(
@@ -263,7 +263,7 @@ def _forward(
     return output, spots, placement, log
 
 
-def _recorded(taps: dict[str, _Tap]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _recorded(taps: dict[str, Tap]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The activations of every tapped spot (container spots expanded into their feature
     maps) and their ``delta`` tensors (when gradients are asked for)."""
     activations: dict[str, torch.Tensor] = {}

@@ -248,10 +248,12 @@ def _structural_layer(model: nn.Module, run: _DryRun, size: tuple[int, ...]) -> 
     if candidates:
         return max(candidates, key=lambda candidate: candidate.position).spot
     if structural:
+        tokens = any(run.log.calls[index].tokens is not None for index in structural)
+        hint = " (a head that reads only a class token?)" if tokens else ""
         raise CamvizError(
             "all maps would be zero: the explained score does not depend on any layer with a "
-            "grid at any location (a head that reads only a class token?); pass layer=NAME "
-            "(`camviz layers --model NAME` lists them)"
+            f"grid at any location{hint}; pass layer=NAME (`camviz layers --model NAME` lists "
+            "them)"
         )
     raise CamvizError(
         "could not find a layer with a spatial output to explain; pass layer=NAME "

@@ -202,17 +202,29 @@ class DetectorInputSize(_SetAttributes):
     Each ``GeneralizedRCNNTransform`` in the model gets ``min_size = (size,)`` and a
     longer side of at most ``size`` times its own ratio of ``max_size`` to ``min_size``; a
     fixed-size one (SSD) resizes to ``size x size``. A letterboxing detector (Ultralytics',
-    :class:`~camviz.core.placement.CentredLetterbox`) fits its images in ``size x size``.
+    :class:`~camviz.core.placement.CentredLetterbox`) fits its images in ``size x size``; a
+    Hugging Face detector's :class:`~camviz.core.placement.AspectResize` takes ``size`` as
+    its shorter side, the longer one limited as ``min_size`` above (a fixed one:
+    ``size x size``).
     """
 
     size: int
 
     def settings(self, model: nn.Module) -> Sequence[Setting]:
-        from camviz.core.placement import detector_transforms, letterboxes
+        from camviz.core.placement import aspect_resizes, detector_transforms, letterboxes
 
         settings: list[Setting] = [
             (letterbox, "size", self.size) for letterbox in letterboxes(model)
         ]
+        for resize in aspect_resizes(model):
+            if resize.fixed is not None:
+                settings.append((resize, "fixed", (self.size, self.size)))
+                continue
+            assert resize.shortest is not None
+            settings.append((resize, "shortest", self.size))
+            if resize.longest is not None:
+                longest = max(self.size, round(self.size * resize.longest / resize.shortest))
+                settings.append((resize, "longest", longest))
         transform: Any  # torchvision's GeneralizedRCNNTransform
         for transform in detector_transforms(model):
             ratio = transform.max_size / transform.min_size[0]
