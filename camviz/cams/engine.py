@@ -143,7 +143,8 @@ def explain(
             ``"name[0]"`` / ``"name[key]"`` takes one element of a tuple, list or dict
             output, and a layer whose output holds feature maps (an FPN's levels) gives one
             map per level, fused (:mod:`camviz.core.taps`). ``None``: the default target
-            layer (:func:`camviz.core.layers.default_target_layer`).
+            layer (:func:`camviz.core.layers.default_target_layer`), or the method's own
+            (the attention methods: the last block, ``layer=`` the last block read).
         target: What to explain (:mod:`camviz.core.targets`): a class id, ids, ``None`` for
             the top class (or the output itself when one number per sample), ``"top3"``,
             a ``Region``, ``Contrast``, ``Similarity``, ``TextPrompt`` or ``Detection``, or a
@@ -302,11 +303,11 @@ class _Passes:
         target: TargetObject,
     ) -> _Passes:
         """The passes at the spots ``layer`` names (or the default layer's, for ``target``)."""
-        layers = (
-            [default_target_layer(model, batch, target, output_key)]
-            if layer is None
-            else spot_keys(model, layer, at)
-        )
+        if layer is None:
+            own = cam.default_layer(model, batch)
+            layers = [own or default_target_layer(model, batch, target, output_key)]
+        else:
+            layers = spot_keys(model, layer, at)
         return cls(
             cam, model, layers, SpotKinds.of(model, batch.main.dim(), layers, layout), output_key
         )
@@ -322,6 +323,7 @@ class _Passes:
             output_key=self.output_key,
             hessian=self.cam.uses_hessian,
             record=calls,
+            attention=self.cam.attention,
         )
 
     def first(self, batch: Inputs, target: TargetObject) -> LayerPass:
