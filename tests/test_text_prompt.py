@@ -6,19 +6,24 @@ and the images (its ``image_embeds`` and ``text_embeds``), differentiated by han
 (``thirdparty.hand_gradcam``). CLIP's texts are padded to the longest there (its processor's
 way) and camviz pads to the text tower's length, so the equality also shows that CLIP's
 embedding does not depend on the padding; SigLIP's are padded to its length, as it was
-trained. Models and tokenizers are tiny and built offline (a ``tokenizers`` word-level
+trained. Chefer's transformer attribution of a prompt is checked against its formula on the
+eager attention of the image tower (``test_attention_methods``' hand rule). Models and
+tokenizers are tiny and built offline (a ``tokenizers`` word-level
 vocabulary), the ``hf:`` folder is saved with ``save_pretrained``.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
 import pytest
+import test_attention_methods as attention
 import test_model_sources as sources
 import thirdparty as tp
 import torch
+import torch.nn.functional as F  # noqa: N812 - the conventional name
 from PIL import Image
 from test_modelstate import assert_same, snapshot
 
@@ -173,6 +178,44 @@ def test_what_a_prompt_cannot_do_is_one_line(pixels, tokenizer):
     assert "tokenizer=" in messages[0] and "hf:DIR" in messages[0]
     assert "CLIP-like" in messages[1] and "ViTForImageClassification" in messages[1]
     assert "non-empty texts" in messages[2]
+
+
+def test_transformer_attribution_of_prompts_is_chefers_rule_on_the_image_tower(tokenizer, pixels):
+    model = tp.hf_clip()
+    implementations = [config._attn_implementation for config in _configs(model)]
+    explanation = camviz.explain(
+        model,
+        pixels,
+        "transformer_attribution",
+        target=camviz.TextPrompt(_TEXTS[:2], tokenizer),
+        relu=False,
+        normalize=False,
+    )
+
+    assert [config._attn_implementation for config in _configs(model)] == implementations
+    assert explanation.layers == ["vision_model.encoder.layers.1"]  # the last block
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")  # the attention probabilities, in the graph
+    with torch.no_grad():
+        output = eager(
+            **tokenizer(_TEXTS[:2], padding=True, return_tensors="pt"), pixel_values=pixels
+        )
+    hand = []
+    for text in output.text_embeds:
+        vision = eager.vision_model(pixel_values=pixels, output_attentions=True)
+        image = eager.visual_projection(vision.pooler_output)
+        score = F.cosine_similarity(image, text.unsqueeze(0), dim=-1).sum()
+        gradients = torch.autograd.grad(score, vision.attentions)
+        attentions = [a.detach() for a in vision.attentions]
+        hand.append(attention.patch_map(attention.hand_chefer(attentions, gradients), 1))
+    expected = torch.stack(hand, dim=1).flatten(0, 1)  # image-major, prompts in order
+    assert not torch.allclose(hand[0], hand[1], rtol=1e-2)  # the prompts' order is told apart
+    torch.testing.assert_close(explanation.layer_maps, expected, rtol=1e-5, atol=1e-7)
+
+
+def _configs(model):
+    """A CLIP model's config and its towers' (the attention settings camviz switches)."""
+    return [model.config, model.config.text_config, model.config.vision_config]
 
 
 # --- hf: folders --------------------------------------------------------------------------

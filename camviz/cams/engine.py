@@ -130,10 +130,9 @@ def explain(
     """Explain a batch with a CAM method.
 
     Args:
-        model: Any ``nn.Module``; ``DataParallel``, ``DistributedDataParallel``,
-            ``torch.compile`` and Ultralytics ``YOLO(...)`` wrappers are looked through
-            (layer names are the inner module's). Used in eval mode, and handed back exactly
-            as it came.
+        model: Any ``nn.Module`` (``DataParallel``, ``DistributedDataParallel``,
+            ``torch.compile`` and Ultralytics ``YOLO(...)`` wrappers looked through: layer
+            names are the inner module's), used in eval mode and handed back as it came.
         inputs: The preprocessed batch on the model's device: ``(N, C, L)``, ``(N, C, H, W)``
             or ``(N, C, D, H, W)`` (one ``(C, H, W)`` image for a 2-D image model), a tuple
             passed positionally or a dict passed as keywords (:mod:`camviz.core.inputs`); for
