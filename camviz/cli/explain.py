@@ -139,6 +139,16 @@ def _add_what_to_explain(parser: argparse.ArgumentParser) -> None:
         help="explain why each input looks like IMAGE to an embedding model (the cosine "
         "similarity of their outputs) instead of a class; --target is then ignored",
     )
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="explain why each input matches TEXT to a CLIP-like model (--model hf:DIR of a "
+        "CLIPModel or SiglipModel saved with its tokenizer): the cosine similarity of the "
+        "image's and the text's embeddings; repeat for several texts, one map each "
+        "(NAME_rank1_... for the first --prompt, and so on)",
+    )
     parser.add_argument("--method", default="gradcam", help="CAM method (see `camviz methods`)")
 
 
@@ -291,6 +301,8 @@ def _settings(args: argparse.Namespace, loaded: LoadedModel) -> JobSettings:
         shared["layer"] = shared["layer"] or _layer_before(target, loaded)
     if args.similar_to is not None:
         target = _similarity(args.similar_to, loaded)
+    if args.prompt is not None:
+        target = _prompt(args, loaded)
     return JobSettings(
         **shared,
         method=args.method,
@@ -327,8 +339,9 @@ def _layer_before(unit: Unit, loaded: LoadedModel) -> str:
     from camviz.core.layers import default_target_layer
 
     size = getattr(loaded.preprocess, "size", 224)
+    channels = getattr(loaded.preprocess, "channels", 3)  # --input-channels
     device = next(loaded.model.parameters()).device
-    probe = torch.rand(1, 3, size, size, generator=torch.Generator().manual_seed(0))
+    probe = torch.rand(1, channels, size, size, generator=torch.Generator().manual_seed(0))
     return default_target_layer(loaded.model, probe.to(device), unit)
 
 
@@ -339,6 +352,27 @@ def _similarity(path: str, loaded: object) -> object:
 
     reference = loaded.preprocess(load_image(path))  # type: ignore[attr-defined]
     return Similarity(reference.unsqueeze(0), name=os.path.basename(path))
+
+
+def _prompt(args: argparse.Namespace, loaded: LoadedModel) -> object:
+    """The TextPrompt target of ``--prompt``, checked against the model and the options."""
+    from camviz.core.errors import CamvizError
+    from camviz.core.targets.textprompt import TextPrompt, dual_encoder
+
+    if args.similar_to is not None or args.target != "top1":
+        given = "--similar-to" if args.similar_to is not None else "--target"
+        raise CamvizError(f"--prompt and {given} both say what to explain; give one of them")
+    if dual_encoder(loaded.model) is None:
+        raise CamvizError(
+            f"--prompt needs a CLIP-like model with a text tower (a CLIPModel or SiglipModel "
+            f"as --model hf:DIR); {loaded.name} has none"
+        )
+    if getattr(loaded.model, "tokenizer", None) is None:
+        raise CamvizError(
+            f"--prompt needs the model's tokenizer, and {loaded.name} has none saved beside it; "
+            "save it into the model's folder (tokenizer.save_pretrained(DIR))"
+        )
+    return TextPrompt(args.prompt)
 
 
 def _report(manifest: dict, out: str) -> None:
