@@ -131,7 +131,7 @@ def test_a_bug_of_camviz_keeps_its_traceback_instead_of_becoming_a_row(
         raise TypeError("camviz's own type error")
 
     monkeypatch.setattr(taps, "select", broken_hook)
-    monkeypatch.setattr(camviz.cli.options, "load_model", lambda args: synthetic_classifier)
+    monkeypatch.setattr("camviz.cli.options.load_model", lambda args: synthetic_classifier)
     arguments = ["explain", *map(str, photos), "--out", str(tmp_path / "hook"), "--workers", "0"]
     with pytest.raises(TypeError, match="camviz's own type error"):
         main([*arguments, "--quiet"])  # a traceback, not "camviz: error: ..."
