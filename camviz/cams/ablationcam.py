@@ -97,6 +97,8 @@ class AblationCAM(PerturbationMethod):
     # (y - y_k) / y from bf16 scores keeps 8 bits of each: the map's correlation with the
     # fp32 map fell to 0.40 on a ResNet-50 (benchmarks/bench_precision.py), so it stays fp32.
     reduced_precision = False
+    # The detector hooks of the last layer, and what they were made for (_held_detector).
+    _held: tuple[tuple[object, ...], HeldDetector] | None = None
 
     def rank_weights(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
         with no_grad():
@@ -121,7 +123,7 @@ class AblationCAM(PerturbationMethod):
         batch, channels = data.activations.shape[:2]
         scores = data.activations.new_empty(len(ranks), batch, channels)
         every = torch.arange(channels, device=data.activations.device)
-        held = HeldDetector.of(data.model, data.layer)
+        held = self._held_detector(data, ranks)
         mode: _Mode = "broadcast" if held is None else "held"
         chunks = self.chunks(data.inputs)
         # The first pass (of each sample, for a detector whose proposals are held per
@@ -154,6 +156,20 @@ class AblationCAM(PerturbationMethod):
             message = _FALLBACKS[mode].format(layer=data.layer, reason=reason)
             warnings.warn(message, RuntimeWarning, stacklevel=3)  # from rank_weights' caller
         return scores
+
+    def _held_detector(self, data: LayerData, ranks: Sequence[LayerData]) -> HeldDetector | None:
+        """The hooks for a torchvision detector at this layer (``None``: not one), sharing
+        the proposals held at another layer of the same pass (the same inputs and scores:
+        the levels of a feature pyramid), so that each sample's are found once."""
+        held = HeldDetector.of(data.model, data.layer)
+        if held is None:
+            return None
+        source = (data.model, data.inputs, *(rank.score_fn for rank in ranks))
+        kept = self._held
+        if kept is not None and [id(part) for part in kept[0]] == [id(part) for part in source]:
+            held.proposals = kept[1].proposals
+        self._held = (source, held)
+        return held
 
 
 # How a pass runs the network (see _ablated_pass), and the warning of each fallback.
@@ -210,7 +226,7 @@ def _ablated_pass(
 
     with (
         edit_spots(data.model, {data.layer: ablate}),
-        held.passes() if mode == "held" and held is not None else nullcontext(),
+        held.passes(sample) if mode == "held" and held is not None else nullcontext(),
     ):
         output = data.run(inputs, samples)
     return rank_scores(output, ranks, samples)
@@ -234,7 +250,7 @@ def _checked_pass(
     warning). A held pass first holds the detector's proposals of the sample."""
     with_check = torch.cat([chunk.new_full((1,), -1), chunk])
     try:
-        if held is not None and not held.hold(partial(_plain_scores, data, ranks, sample)):
+        if held is not None and not held.hold(sample, partial(_plain_scores, data, ranks, sample)):
             return None, "the explained scores use no region proposal"
         scores = _ablated_pass(data, ranks, mode, held, sample, with_check)
     except _BROADCAST_FAILURES as error:

@@ -70,7 +70,7 @@ class HeldDetector:
         self.detector = detector
         heads = getattr(detector, "roi_heads", None)
         self.rows = None if heads is None else RoIRows(heads)
-        self.proposals: list[torch.Tensor] | None = None
+        self.proposals: dict[int, list[torch.Tensor]] = {}  # per sample held
 
     @classmethod
     def of(cls, model: nn.Module, layer: str) -> HeldDetector | None:
@@ -86,19 +86,21 @@ class HeldDetector:
             return None
         return cls(detector)
 
-    def hold(self, run: Callable[[], Sequence[torch.Tensor]]) -> bool:
-        """Run the plain pass of the image (``run`` gives the explained scores of its output)
-        and keep an R-CNN's proposals that those scores use; whether there are any."""
+    def hold(self, sample: int, run: Callable[[], Sequence[torch.Tensor]]) -> bool:
+        """Run the plain pass of image ``sample`` alone (``run`` gives the explained scores of
+        its output) and keep an R-CNN's proposals that those scores use, once per sample;
+        whether there are any."""
         if self.rows is None:
             return True
-        with self.rows.cut(graph_after=True), torch.no_grad():
-            scores = run()
-        self.proposals = self.rows.used_proposals(scores)
-        return any(len(boxes) for boxes in self.proposals)
+        if sample not in self.proposals:
+            with self.rows.cut(graph_after=True), torch.no_grad():
+                scores = run()
+            self.proposals[sample] = self.rows.used_proposals(scores)
+        return any(len(boxes) for boxes in self.proposals[sample])
 
     @contextmanager
-    def passes(self) -> Iterator[None]:
-        """The hooks for passes on copies of the held image (given as ``R`` images)."""
+    def passes(self, sample: int) -> Iterator[None]:
+        """The hooks for passes on copies of image ``sample`` (given as ``R`` images)."""
         copies = 1
 
         def first_only(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -121,14 +123,14 @@ class HeldDetector:
                 )
             )
             if self.rows is not None:
-                self._held_proposals(hooks, lambda: copies)
+                self._held_proposals(hooks, self.proposals[sample], lambda: copies)
             yield
 
-    def _held_proposals(self, hooks: HookSet, copies: Callable[[], int]) -> None:
-        """Hooks that run the region proposal network on one row and answer the held
-        proposals for every copy."""
-        proposals = self.proposals
-        assert proposals is not None  # hold() ran first
+    def _held_proposals(
+        self, hooks: HookSet, proposals: list[torch.Tensor], copies: Callable[[], int]
+    ) -> None:
+        """Hooks that run the region proposal network on one row and answer ``proposals``
+        for every copy."""
 
         def one_row(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
             images, features, *rest = args
