@@ -99,7 +99,7 @@ class DenseRows:
             radius = _radius(head, top=True)
         except _UnknownReachError:
             return None
-        anchors = detector.anchor_generator.num_anchors_per_location()
+        anchors = cast(Any, detector.anchor_generator).num_anchors_per_location()
         return cls(head, anchors, radius)
 
     @contextmanager
@@ -209,10 +209,13 @@ class DenseRows:
             for index in range(len(features))
         ]
         replayed = self.head(crops)
-        start = sum(
-            crop.shape[-2] * crop.shape[-1] * count
-            for crop, count in zip(crops[:level], self.anchors, strict=False)
-        ) + ((y - top) * (right - left) + (x - left)) * self.anchors[level]
+        start = (
+            sum(
+                crop.shape[-2] * crop.shape[-1] * count
+                for crop, count in zip(crops[:level], self.anchors, strict=False)
+            )
+            + ((y - top) * (right - left) + (x - left)) * self.anchors[level]
+        )
         return replayed, start, start + self.anchors[level]
 
 

@@ -13,7 +13,8 @@ passes on ``R`` copies of one image:
 * the backbone's levels that the ablation did not reach (one row) are expanded to ``R`` rows;
 * an R-CNN's proposals are those of the plain pass that the explained scores use (their RoI
   rows, :meth:`camviz.core.roiheads.RoIRows.used_proposals`): the region proposal network
-  runs on one row and its answer is replaced by them, so the RoI heads score those rows only.
+  runs on one location of one row (a module's call cannot be skipped by a hook) and its
+  answer is replaced by them, so the RoI heads score those rows only.
 
 With the proposals held, a pass on copies is the whole network's pass on each copy with the
 same proposals, which a test checks channel by channel.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -58,7 +59,11 @@ def torchvision_detectors(model: nn.Module) -> list[tuple[str, nn.Module]]:
     kinds = torchvision_classes(_DETECTORS)
     if not kinds:
         return []
-    return [(name, module) for name, module in model.named_modules() if isinstance(module, kinds)]
+    return [
+        (name, cast(nn.Module, module))
+        for name, module in model.named_modules()
+        if isinstance(module, kinds)
+    ]
 
 
 class HeldDetector:
@@ -114,11 +119,11 @@ class HeldDetector:
             return type(images)(images.tensors, list(images.image_sizes) * copies), targets
 
         with HookSet() as hooks:
-            transform = self.detector.transform
+            transform = cast(nn.Module, self.detector.transform)
             hooks.add(transform.register_forward_pre_hook(first_only))
             hooks.add(transform.register_forward_hook(sized_per_copy))
             hooks.add(
-                self.detector.backbone.register_forward_hook(
+                cast(nn.Module, self.detector.backbone).register_forward_hook(
                     lambda module, args, output: _expanded(output, copies)
                 )
             )
@@ -129,20 +134,20 @@ class HeldDetector:
     def _held_proposals(
         self, hooks: HookSet, proposals: list[torch.Tensor], copies: Callable[[], int]
     ) -> None:
-        """Hooks that run the region proposal network on one row and answer ``proposals``
-        for every copy."""
+        """Hooks that run the region proposal network on one location of one row (its
+        answer is not used) and answer ``proposals`` for every copy."""
 
-        def one_row(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        def one_location(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
             images, features, *rest = args
             single = type(images)(images.tensors, list(images.image_sizes)[:1])
-            return (single, {key: level[:1] for key, level in features.items()}, *rest)
+            return (single, {key: level[:1, :, :1, :1] for key, level in features.items()}, *rest)
 
         def held(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             _, losses = output
             return list(proposals) * copies(), losses
 
-        rpn = self.detector.rpn
-        hooks.add(rpn.register_forward_pre_hook(one_row))
+        rpn = cast(nn.Module, self.detector.rpn)
+        hooks.add(rpn.register_forward_pre_hook(one_location))
         hooks.add(rpn.register_forward_hook(held))
 
 
@@ -151,5 +156,7 @@ def _expanded(output: Any, copies: int) -> Any:
     if isinstance(output, torch.Tensor):
         return output.expand(copies, *output.shape[1:]) if len(output) == 1 else output
     if isinstance(output, Mapping):
-        return type(output)((key, _expanded(level, copies)) for key, level in output.items())
+        return cast(Any, type(output))(
+            (key, _expanded(level, copies)) for key, level in output.items()
+        )
     return output
