@@ -34,6 +34,7 @@ _EXPORTS = {
     "DenseDetections": "camviz.core.detection:DenseDetections",
     "Detection": "camviz.core.detection:Detection",
     "Explanation": "camviz.cams.engine:Explanation",
+    "Generation": "camviz.cams.generation:Generation",
     "GradientMonitor": "camviz.debug.monitor:GradientMonitor",
     "ImageResult": "camviz.pipeline.dataset:ImageResult",
     "LayerTable": "camviz.debug.layerstats:LayerTable",
@@ -58,6 +59,7 @@ _EXPORTS = {
     "explain": "camviz.cams.engine:explain",
     "explain_dataset": "camviz.pipeline.dataset:explain_dataset",
     "explain_files": "camviz.pipeline.job:explain_files",
+    "explain_generation": "camviz.cams.generation:explain_generation",
     "factorize": "camviz.cams.factorization:factorize",
     "features": "camviz.debug.extraction:features",
     "find_first_nonfinite": "camviz.debug.layerstats:find_first_nonfinite",
@@ -90,6 +92,7 @@ PUBLIC_MODULES = {
 # DeprecationWarning that names the new path (see CHANGELOG.md); names that moved out of a
 # public module warn the same way (camviz._deprecation).
 MOVED_MODULES = {
+    "camviz.cams.layout": "camviz.core.grids",
     "camviz.dataset": "camviz.pipeline.dataset",
     "camviz.distributed": "camviz.pipeline.distributed",
     "camviz.errors": "camviz.core.errors",
@@ -116,6 +119,8 @@ if TYPE_CHECKING:
     from camviz.cams.engine import explain as explain
     from camviz.cams.factorization import Concepts as Concepts
     from camviz.cams.factorization import factorize as factorize
+    from camviz.cams.generation import Generation as Generation
+    from camviz.cams.generation import explain_generation as explain_generation
     from camviz.core.detection import DenseDetections as DenseDetections
     from camviz.core.detection import Detection as Detection
     from camviz.core.errors import CamvizError as CamvizError

@@ -20,6 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "assets"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The notebooks first: under ``-n auto --dist loadfile`` (the README's command) their file
+    is the longest, so one worker starts it while the others share every other file."""
+    items.sort(key=lambda item: item.get_closest_marker("notebooks") is None)
+
+
 @pytest.fixture(scope="session")
 def cat_path() -> Path:
     return ASSETS / "chelsea.png"

@@ -1,24 +1,31 @@
 """The explorer (``camviz.app``), driven in Debian's headless Chromium by Playwright.
 
-Every host but 127.0.0.1 is blocked and recorded: a page that asked for any other host
-fails its test. The maps the page shows and exports are compared with ``camviz.explain``'s
-(the ``.npz`` within 1e-6, the overlay pixel for pixel with ``camviz.overlay`` of it), the
-channel view with ``camviz.features`` and the method's channel weights, and the
-faithfulness line with ``camviz.metrics``. The tests skip when Chromium, Playwright or
-Gradio is missing, unless ``CAMVIZ_REQUIRE_BROWSER=1`` (CI sets it).
+Every host but 127.0.0.1 is blocked, and the browser's request log is kept: a page that
+asked for any other host fails its test; so does a connection of this process (the server)
+to any other address. The maps the page shows and exports are compared with
+``camviz.explain``'s (the ``.npz`` within 1e-6, the overlay pixel for pixel with
+``camviz.overlay`` of it), the layer tree with the layers' outputs, the channel view with
+``camviz.channel_grid(order="weight")`` of ``camviz.features`` and the method's channel
+weights, and the faithfulness line with ``camviz.metrics``. One server and one browser serve
+the classifier's tests. The tests skip when Chromium, Playwright or Gradio is missing,
+unless ``CAMVIZ_REQUIRE_BROWSER=1`` (CI sets it).
 """
 
 from __future__ import annotations
 
 import io
+import ipaddress
+import itertools
 import json
 import os
 import re
 import shutil
 import socket
+import struct
 import threading
 import time
 import urllib.request
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -34,6 +41,7 @@ from torch import nn
 from torchvision.utils import save_image
 
 import camviz
+from camviz.cams.registry import names
 from camviz.evaluation.synthetic import (
     CLASSES,
     SEGMENTATION_CLASSES,
@@ -76,6 +84,7 @@ def gradio() -> None:
 
 @pytest.fixture(scope="module")
 def browser(gradio) -> Iterator[Any]:
+    """One window (context) of Debian's Chromium, driven by Playwright: its tabs share a cache."""
     if not Path(CHROMIUM).exists() and shutil.which("chromium") is None:
         _missing("chromium is not installed; install it with `apt-get install -y chromium`")
     try:
@@ -85,31 +94,68 @@ def browser(gradio) -> Iterator[Any]:
     with sync_playwright() as playwright:
         executable = CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium")
         launched = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
-        yield launched
+        # One window for every tab: they share its cache, as a user's tabs do.
+        window = launched.new_context(
+            viewport={"width": 1400, "height": 1000}, service_workers="block"
+        )
+        yield window
+        window.close()
         launched.close()
 
 
+@pytest.fixture(scope="module")
+def outbound() -> Iterator[list[object]]:
+    """Every address other than this machine's that this process connects to meanwhile (the
+    servers of this module run in it)."""
+    elsewhere: list[object] = []
+    connect, connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def note(sock: socket.socket, address: Any) -> None:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return
+        host = address[0]
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        if not loopback:
+            elsewhere.append(address)
+
+    def noted(real: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda sock, address: (note(sock, address), real(sock, address))[1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(socket.socket, "connect", noted(connect))
+        patch.setattr(socket.socket, "connect_ex", noted(connect_ex))
+        yield elsewhere
+
+
 class Tab:
-    """A page of the explorer, with every request to another host than 127.0.0.1 aborted
-    and remembered in :attr:`elsewhere`."""
+    """A page of the explorer, with every request to another host than 127.0.0.1 aborted,
+    and the hosts of all its requests in :attr:`hosts` (the browser's request log)."""
 
     def __init__(self, browser: Any, url: str) -> None:
-        self.page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        self.elsewhere: list[str] = []
+        self.page = browser.new_page()
+        self.hosts: set[str | None] = set()
+        self.page.on("request", lambda request: self._log(request.url))
+        self.page.on("websocket", lambda socket: self._log(socket.url))
         self.page.route("**/*", self._route)
         self.after(lambda: self.page.goto(url), "")
+
+    def _log(self, url: str) -> None:
+        if not url.startswith(("data:", "blob:")):
+            self.hosts.add(urlparse(url).hostname)
 
     def _route(self, route: Any) -> None:
         if urlparse(route.request.url).hostname == "127.0.0.1":
             route.continue_()
         else:
-            self.elsewhere.append(route.request.url)
             route.abort()
 
     def status(self) -> str:
         return self.page.inner_text("#camviz-status p").strip()
 
-    def _line(self, widget: str) -> str:
+    def line(self, widget: str = "camviz-status") -> str:
         """The number of the line a widget shows (each answer of the server has a new one)."""
         return self.page.evaluate(
             "(id) => { const p = document.querySelector(`#${id} p`); "
@@ -117,11 +163,8 @@ class Tab:
             widget,
         )
 
-    def after(self, action: Callable[[], object], text: str, widget: str = "camviz-status") -> str:
-        """Do ``action``, wait for the server's answer in ``widget`` (holding ``text``, or
-        an error), and return that line."""
-        before = self._line(widget)
-        action()
+    def answer(self, before: str, text: str, widget: str = "camviz-status") -> str:
+        """Wait for a line after ``before`` in ``widget`` holding ``text`` (or an error)."""
         self.page.wait_for_function(
             """([id, before, text]) => {
                 const p = document.querySelector(`#${id} p`);
@@ -133,18 +176,52 @@ class Tab:
         )
         return self.page.inner_text(f"#{widget} p").strip()
 
+    def after(self, action: Callable[[], object], text: str, widget: str = "camviz-status") -> str:
+        """Do ``action``, wait for the server's answer in ``widget`` (holding ``text``, or
+        an error), and return that line."""
+        before = self.line(widget)
+        action()
+        return self.answer(before, text, widget)
+
+    def redrawn(self, action: Callable[[], object], widget: str) -> None:
+        """Do ``action`` and wait until the picture of ``widget`` is another one."""
+        before = self.page.locator(f"#{widget} img").get_attribute("src")
+        action()
+        self.page.wait_for_function(
+            """([id, before]) => {
+                const image = document.querySelector(`#${id} img`);
+                return image && image.getAttribute('src') !== before;
+            }""",
+            arg=[widget, before],
+            timeout=WAIT_MS,
+        )
+
+    def offered(self, widget: str, typed: str | None = None) -> list[str]:
+        """The labels a dropdown offers once opened (and, with ``typed``, once typed in)."""
+        self.page.click(f"#{widget} input")
+        options = self.page.locator(f"#{widget} ul.option-list li[aria-label]")
+        options.first.wait_for(timeout=WAIT_MS)
+        if typed is not None:  # then wait for the list to show only what matches
+            self.page.keyboard.type(typed)
+            self.page.wait_for_function(
+                """([id, typed]) => [...document.querySelectorAll(`#${id} li[aria-label]`)]
+                    .every(item => item.ariaLabel.toLowerCase().includes(typed))""",
+                arg=[widget, typed.lower()],
+                timeout=WAIT_MS,
+            )
+        return [label.strip() for label in options.evaluate_all("o => o.map(i => i.ariaLabel)")]
+
     def choose(self, widget: str, label: str) -> None:
         """Open a dropdown and pick its option whose label is ``label`` (or, for a layer,
         starts with the layer's name)."""
-        self.page.click(f"#{widget} input")
-        options = self.page.locator(f"#{widget} ul.option-list li")
-        by_label = options.filter(has=self.page.locator("xpath=self::*[@aria-label]"))
+        self.pick(widget, self.offered(widget), label)
+
+    def pick(self, widget: str, labels: list[str], label: str) -> None:
+        """Pick an option of the open dropdown, which offers ``labels``."""
         matching = [
-            i
-            for i, text in enumerate(by_label.evaluate_all("items => items.map(i => i.ariaLabel)"))
-            if text.strip() == label or text.strip().startswith(f"{label}  ")
+            i for i, text in enumerate(labels) if text == label or text.startswith(f"{label}  ")
         ]
-        by_label.nth(matching[0]).click()
+        self.page.locator(f"#{widget} ul.option-list li[aria-label]").nth(matching[0]).click()
 
     def upload(self, path: Path) -> None:
         """Upload a file with the page's upload button (its file input sits beside it)."""
@@ -165,8 +242,16 @@ class Tab:
 
     def picture(self, widget: str) -> np.ndarray:
         """The pixels the page shows in a picture widget, fetched from its source."""
-        source = self.page.locator(f"#{widget} img").get_attribute("src")
-        return np.asarray(Image.open(io.BytesIO(self.fetch(source))).convert("RGB"))
+        return self.pictures(widget)[0]
+
+    def pictures(self, widget: str) -> list[np.ndarray]:
+        """The pixels of every picture a widget shows, left to right."""
+        images = self.page.locator(f"#{widget} img")
+        sources = [images.nth(i).get_attribute("src") for i in range(images.count())]
+        return [
+            np.asarray(Image.open(io.BytesIO(self.fetch(source))).convert("RGB"))
+            for source in sources
+        ]
 
     def fetch(self, url: str) -> bytes:
         response = self.page.request.get(url)
@@ -183,7 +268,7 @@ class Tab:
 
     def close(self) -> None:
         self.page.close()
-        assert self.elsewhere == [], f"the page asked for other hosts: {self.elsewhere}"
+        assert self.hosts <= {"127.0.0.1"}, f"the page asked for other hosts: {self.hosts}"
 
 
 def _maps(exported: dict[str, bytes]) -> dict[str, np.ndarray]:
@@ -209,6 +294,13 @@ def _listening_addresses(port: int) -> set[str]:
     return addresses
 
 
+def _shown_by(line: str) -> tuple[str, str]:
+    """The method and layer a status line says the map was made with."""
+    found = re.search(r" by (\S+) @ (\S+) in ", line)
+    assert found is not None, line
+    return found[1], found[2]
+
+
 # --- the classifier -------------------------------------------------------------------------
 
 
@@ -224,8 +316,22 @@ def classifier() -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def classifier_server(gradio, classifier, cat_path) -> Iterator[camviz.explorer.AppServer]:
-    server = camviz.app(classifier, [cat_path], port=0, block=False)
+def shown_inline() -> list[Any]:
+    """What ``camviz.app(block=False)`` displayed, launched as in a notebook."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def classifier_server(
+    gradio, outbound, shown_inline, classifier, cat_path
+) -> Iterator[camviz.explorer.AppServer]:
+    import gradio
+    import IPython.display
+
+    with pytest.MonkeyPatch.context() as patch:  # a notebook's kernel, as Gradio tells it
+        patch.setattr(gradio.utils, "ipython_check", lambda: True)
+        patch.setattr(IPython.display, "display", shown_inline.append)
+        server = camviz.app(classifier, [cat_path], port=0, block=False)
     yield server
     server.close()
 
@@ -238,48 +344,137 @@ def second_tab(browser, classifier_server) -> Iterator[Tab]:
     tab.close()
 
 
+def _layer_tree(model: nn.Module, inputs: torch.Tensor) -> list[str]:
+    """What the layer tree lists: every layer with a map output, with its shape as a
+    forward hook sees it, the default marked."""
+    rows: list[str] = []
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: object, output: torch.Tensor) -> None:
+            if output.dim() == 4 and not any(row.startswith(f"{name}  ") for row in rows):
+                mark = "  \u2190 default" if name == TARGET_LAYER else ""
+                rows.append(f"{name}  {type(module).__name__} {tuple(output.shape)}{mark}")
+
+        return hook
+
+    hooks = [module.register_forward_hook(record(n)) for n, module in model.named_modules() if n]
+    with torch.no_grad():
+        model(inputs)
+    for hook in hooks:
+        hook.remove()
+    return rows
+
+
+def _check_channels(tab: Tab, image: Image.Image, inputs: torch.Tensor, class_id: int) -> None:
+    """The channel view: the grid of ``camviz.channel_grid(order="weight")`` with
+    Score-CAM's weights, the strongest channel shown, a click on a tile shows its own."""
+    model = load_model()
+    weights = camviz.explain(model, inputs, "scorecam", TARGET_LAYER, class_id).weights
+    assert weights is not None
+    weight = weights[TARGET_LAYER][0]
+    order = torch.argsort(weight, descending=True, stable=True).tolist()
+    tab.page.click("#camviz-channel-view button.label-wrap")
+    shown = lambda: tab.page.click("#camviz-show-channels")  # noqa: E731
+    line = tab.after(shown, "weight", "camviz-channel-info")
+    assert "by scorecam weight" in line and f"channel {order[0]} of features," in line
+    activations = camviz.features(model, inputs, [TARGET_LAYER])[TARGET_LAYER]
+    tiles = activations.repeat_interleave(3, dim=-2).repeat_interleave(3, dim=-1)  # 48 px
+    grid = camviz.channel_grid(
+        tiles, channels=64, order="weight", weights=weight, ncols=8, colormap="viridis"
+    )
+    expected_grid = grid.mul(255).round().byte().permute(1, 2, 0).numpy()
+    assert np.array_equal(tab.picture("camviz-channels"), expected_grid)
+
+    def channel_map_is(channel: int) -> None:
+        _, scaled = camviz.render.select_channels(activations, [channel])
+        expected = np.asarray(camviz.overlay(image, scaled[0]))
+        assert np.array_equal(tab.picture("camviz-channel-map"), expected)
+
+    channel_map_is(order[0])
+    tenth = 1 + 49 + 24  # the centre of the tenth tile: second row, second column
+    click = lambda: tab.click_pixel("camviz-channels", tenth, tenth)  # noqa: E731
+    line = tab.after(click, "shown:", "camviz-channel-info")
+    assert line.startswith(f"shown: channel {order[9]} of features, scorecam weight ")
+    channel_map_is(order[9])
+
+
+def _check_panels(tab: Tab, image: Image.Image, inputs: torch.Tensor, class_id: int) -> None:
+    """Two panels side by side: the current Score-CAM map at features.6, and the pinned
+    Grad-CAM one at the default layer."""
+    model = load_model()
+    label = tab.page.inner_text("#camviz-panels")
+    assert "left to right: scorecam @ features.6 | gradcam @ features" in label
+    views = [("scorecam", "features.6"), ("gradcam", TARGET_LAYER)]
+    expected = [
+        np.asarray(
+            camviz.overlay(image, camviz.explain(model, inputs, m, at, class_id).heatmaps[0])
+        )
+        for m, at in views
+    ]
+    shown = tab.pictures("camviz-panels")
+    assert len(shown) == 2 and all(map(np.array_equal, shown, expected))
+
+
+def _check_restyle(tab: Tab, image: Image.Image, heatmap: torch.Tensor) -> None:
+    """Another colour map and opacity redraw the overlay as ``camviz.overlay`` does."""
+    tab.redrawn(lambda: tab.choose("camviz-colormap", "viridis"), "camviz-overlay")
+    alpha = "#camviz-alpha input[type=number]"
+    tab.redrawn(
+        lambda: (tab.page.fill(alpha, "0.3"), tab.page.press(alpha, "Tab")), "camviz-overlay"
+    )
+    expected = np.asarray(camviz.overlay(image, heatmap, 0.3, "viridis"))
+    assert np.array_equal(tab.picture("camviz-overlay"), expected)
+
+
 @pytest.mark.browser
-def test_class_method_channels_layer_and_export_are_camviz_explain(
-    browser, classifier_server, second_tab, classifier, cat_path
+def test_the_page_shows_and_exports_what_camviz_explain_gives(
+    browser, classifier_server, second_tab, outbound, cat_path
 ):
-    model = classifier.model
+    model = load_model()
     image = load_image(cat_path)
     inputs = RAW(image).unsqueeze(0)
     second = int(model(inputs)[0].topk(2).indices[1])
     assert urlparse(classifier_server.url).hostname == "127.0.0.1"
     assert _listening_addresses(classifier_server.port) == {"127.0.0.1"}
 
+    other = second_tab  # a class typed with completion; it keeps its own state
+    completed = other.offered("camviz-class", "tri")
+    assert completed == ["triangle"]
+    typed = other.after(lambda: other.pick("camviz-class", completed, "triangle"), "explained")
+    assert typed.startswith("explained triangle (")
+    method, layer = _shown_by(typed)
+    heatmap = camviz.explain(model, inputs, method, layer, CLASSES.index("triangle")).heatmaps
+    typed_overlay = np.asarray(camviz.overlay(image, heatmap[0]))
+    assert np.array_equal(other.picture("camviz-overlay"), typed_overlay)
+
     tab = Tab(browser, classifier_server.url)
-    other = second_tab  # it keeps its own state
     line = tab.after(lambda: tab.upload(cat_path), "chelsea.png:")
     assert line.startswith("chelsea.png: explained ") and "by gradcam @ features" in line
     radios = tab.page.locator("#camviz-candidates input[type=radio]")
     assert CLASSES[second] in tab.after(lambda: radios.nth(1).check(), "explained")
-    third = other.page.locator("#camviz-candidates input[type=radio]").nth(2)
-    elsewhere = other.after(third.check, "explained")
+    assert tab.after(lambda: tab.page.click("#camviz-pin"), "pinned").startswith("pinned ")
 
-    line = tab.after(lambda: tab.choose("camviz-method", "scorecam"), "explained")
+    methods = tab.offered("camviz-method")
+    assert methods == names(model)  # every method registered for this model
+    line = tab.after(lambda: tab.pick("camviz-method", methods, "scorecam"), "explained")
     assert line.startswith(f"explained {CLASSES[second]} (") and "by scorecam @ features in" in line
-    weights = camviz.explain(model, inputs, "scorecam", TARGET_LAYER, second).weights
-    strongest = int(weights[TARGET_LAYER][0].argmax())
-    tab.page.click("#camviz-channel-view button.label-wrap")
-    shown_channels = "#camviz-show-channels"
-    line = tab.after(lambda: tab.page.click(shown_channels), "weight", "camviz-channel-info")
-    assert "by scorecam weight" in line and f"channel {strongest} of features," in line
-    activations = camviz.features(model, inputs, [TARGET_LAYER])[TARGET_LAYER]
-    _, scaled = camviz.render.select_channels(activations, [strongest])
-    shown = np.asarray(camviz.overlay(image, scaled[0]))
-    assert np.array_equal(tab.picture("camviz-channel-map"), shown)
+    options = tab.page.input_value("#camviz-options textarea")
+    assert options == camviz.explorer.session.format_options("scorecam")
+    _check_channels(tab, image, inputs, second)
 
-    line = tab.after(
-        lambda: tab.choose("camviz-layer", "features.6"), "of features.6", "camviz-channel-info"
-    )
+    layers = tab.offered("camviz-layer")
+    assert layers == _layer_tree(model, inputs)
+    pick = lambda: tab.pick("camviz-layer", layers, "features.6")  # noqa: E731
+    line = tab.after(pick, "of features.6", "camviz-channel-info")
     assert "scorecam @ features.6 in" in tab.status()
+    _check_panels(tab, image, inputs, second)
     expected = camviz.explain(model, inputs, "scorecam", "features.6", second)
     measure = lambda: tab.page.click("#camviz-measure")  # noqa: E731
     line = tab.after(measure, "deletion AUC", "camviz-faithfulness")
     deletion = camviz.metrics.deletion(model, inputs, expected.heatmaps, second, steps=20)
-    assert line.startswith(f"deletion AUC {float(deletion.auc[0]):.3f} (lower is better)")
+    insertion = camviz.metrics.insertion(model, inputs, expected.heatmaps, second, steps=20)
+    assert line.startswith(f"deletion AUC {float(deletion.auc[0]):.3f} (lower is better), ")
+    assert f"insertion AUC {float(insertion.auc[0]):.3f} (higher is better)" in line
 
     exported = tab.exported()
     maps = _maps(exported)
@@ -288,10 +483,73 @@ def test_class_method_channels_layer_and_export_are_camviz_explain(
     overlaid = np.asarray(camviz.overlay(image, torch.from_numpy(maps["heatmaps"][0])))
     assert np.array_equal(tab.picture("camviz-overlay"), overlaid)
     report = exported["report.html"].decode()
-    assert "scorecam @ features.6" in report and "http://" not in report
+    assert "scorecam @ features.6" in report and "gradcam @ features" in report
+    assert "http://" not in report and "https://" not in report
+    _check_restyle(tab, image, torch.from_numpy(maps["heatmaps"][0]))
 
-    assert other.status() == elsewhere  # the other tab is where it was
+    assert other.status() == typed  # the other tab is where it was
+    assert np.array_equal(other.picture("camviz-overlay"), typed_overlay)
     tab.close()
+    assert outbound == []  # nor did the server connect anywhere
+
+
+def test_block_false_shows_the_page_inline_in_a_notebook(classifier_server, shown_inline):
+    (shown,) = shown_inline
+    assert f'<iframe src="{classifier_server.url}"' in shown.data
+
+
+@pytest.mark.browser
+def test_a_slow_method_shows_its_progress_and_is_cancelled_from_the_page(second_tab, classifier):
+    tab = second_tab
+    if tab.page.input_value("#camviz-method input") != "scorecam":
+        tab.after(lambda: tab.choose("camviz-method", "scorecam"), "explained")
+    layer = _shown_by(tab.status())[1]
+    before = tab.picture("camviz-overlay")
+    released, passes = threading.Event(), itertools.count()
+
+    def held(module: nn.Module, args: object, output: object) -> None:
+        if next(passes) >= 2:  # from the third pass on, until the page has cancelled
+            released.wait(WAIT_MS / 1000)
+
+    holding = classifier.model.register_forward_hook(held)
+    try:
+        tab.page.fill("#camviz-options textarea", "batch_size = 1")
+        started = tab.line()
+        tab.page.click("#camviz-apply")
+        progress = f"scorecam at {layer}: "
+        tab.page.wait_for_function(
+            "(text) => document.querySelector('#camviz-overlay').innerText.includes(text)",
+            arg=progress,
+            timeout=WAIT_MS,
+        )
+        text = tab.page.inner_text("#camviz-overlay")
+        assert re.search(rf"{re.escape(progress)}\d+/\d+ copies", text), text
+        with tab.page.expect_response(lambda response: response.request.method == "POST"):
+            tab.page.click("#camviz-cancel")
+        released.set()
+        line = tab.answer(started, "cancelled")
+    finally:
+        released.set()
+        holding.remove()
+    assert (
+        line == f"camviz: error: cancelled scorecam at {layer}; the map shown is the previous one"
+    )
+    assert np.array_equal(tab.picture("camviz-overlay"), before)
+
+
+def _too_many_pixels(path: Path) -> Path:
+    """A PNG whose header says 9000 x 9000 pixels (81 megapixels), with no pixel data."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    header = struct.pack(">IIBBBBB", 9000, 9000, 8, 2, 0, 0, 0)
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+    )
+    return path
 
 
 @pytest.mark.browser
@@ -302,6 +560,9 @@ def test_a_bad_upload_is_one_line_in_the_page_and_the_next_request_works(second_
     line = tab.after(lambda: tab.upload(broken), "error")
     assert re.fullmatch(r"camviz: error: broken\.png is not an image Pillow can read; .*", line)
     assert "\n" not in line and str(tmp_path) not in line
+    huge = _too_many_pixels(tmp_path / "huge.png")
+    line = tab.after(lambda: tab.upload(huge), "error")
+    assert re.fullmatch(r"camviz: error: huge\.png is 9000x9000 \(81\.0 megapixels\), .*", line)
     fourth = tab.page.locator("#camviz-candidates input[type=radio]").nth(3)
     assert tab.after(fourth.check, "explained").startswith("explained ")
 
@@ -411,22 +672,40 @@ def test_clicking_a_box_of_the_detector_and_a_region_of_a_segmenter(browser, sce
 
 @pytest.mark.browser
 def test_camviz_app_serves_its_model_on_127_0_0_1_only(
-    gradio, monkeypatch, cat_path, tiny_checkpoint
+    browser, outbound, monkeypatch, cat_path, tiny_checkpoint, tmp_path
 ):
     from camviz.cli import main
     from camviz.explorer.server import AppServer
 
+    photos = tmp_path / "photos"  # a folder of images, offered by name
+    photos.mkdir()
+    shutil.copy(cat_path, photos / "chelsea.png")
     served: list[AppServer] = []
     monkeypatch.setattr(AppServer, "wait", lambda server: served.append(server))
-    args = ["app", str(cat_path), "--model", "resnet18", "--weights", tiny_checkpoint]
+    args = ["app", str(photos), "--model", "resnet18", "--weights", tiny_checkpoint]
+    args += ["--input-size", "64"]  # small maps: fast
     assert main([*args, "--port", "0"]) == 0
     (server,) = served
     try:
         assert _listening_addresses(server.port) == {"127.0.0.1"}
-        with urllib.request.urlopen(f"{server.url}config", timeout=30) as response:
-            assert json.load(response)["title"] == "camviz explorer - resnet18"
+        tab = Tab(browser, server.url)
+        assert tab.status().startswith("chelsea: explained ")
+        radios = tab.page.locator("#camviz-candidates input[type=radio]")
+        line = tab.after(lambda: radios.nth(1).check(), "explained")
+        class_id = int(re.fullmatch(r"explained class (\d+) \(.*", line)[1])
+        tab.after(lambda: tab.choose("camviz-method", "layercam"), "explained")
+        line = tab.after(lambda: tab.choose("camviz-layer", "layer3"), "explained")
+        assert " by layercam @ layer3 in " in line
+        shown = tab.picture("camviz-overlay")
+        tab.close()
     finally:
         server.close()
+    loaded = camviz.load_model("resnet18", weights=tiny_checkpoint, input_size=64)
+    image = load_image(cat_path)
+    inputs = loaded.preprocess(image).unsqueeze(0)
+    expected = camviz.explain(loaded.model, inputs, "layercam", "layer3", class_id)
+    assert np.array_equal(shown, np.asarray(camviz.overlay(image, expected.heatmaps[0])))
+    assert outbound == []
 
 
 def test_a_cancel_stops_a_perturbation_method_between_passes(classifier, untouched, cat_path):
@@ -550,9 +829,18 @@ def test_another_host_than_this_machine_is_warned_about(gradio, classifier, monk
     assert capsys.readouterr().err == ""
 
 
-def test_a_port_in_use_is_one_line(gradio, classifier):
+def test_a_port_in_use_is_one_line(gradio, classifier, monkeypatch):
+    import gradio as gr
+
+    import camviz.explorer.page as page
     from camviz.core.errors import CamvizError
 
+    def empty(*args: object) -> Any:  # what is served is no matter here
+        with gr.Blocks() as blocks:
+            gr.Markdown("")
+        return blocks
+
+    monkeypatch.setattr(page, "build", empty)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -126,6 +126,21 @@ def test_writer_reraises_a_failed_job_and_skips_the_rest():
     assert sorted(done) == [0, 1, 2]
 
 
+def test_writer_threads_run_torch_on_one_thread_and_leave_the_callers_setting():
+    # A second OpenMP team beside the model's slows the model's every parallel region.
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    with Writer(threads=2) as writer:
+        for _ in range(4):
+            writer.submit(lambda: seen.append(torch.get_num_threads()))
+    later: list[int] = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert seen == [1, 1, 1, 1]
+    assert torch.get_num_threads() == before and later == [before]
+
+
 def test_heatmap_files_hold_the_values(tmp_path):
     heatmap = torch.tensor([[0.0, 0.5], [1.0, 0.25]])
     save_heatmap(heatmap, tmp_path / "map.png")

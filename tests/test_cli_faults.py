@@ -608,7 +608,7 @@ def test_help_layers_and_methods_read_well(capsys, tiny_mobilenet):
     assert table[0].split()[:3] == ["method", "family", "needs"]
     listed = [line.split()[0] for line in table[1:] if line and not line.startswith("Papers")]
     assert sorted(listed) == sorted(camviz.cams.names())
-    assert max(map(len, table)) < 140
+    assert max(map(len, table)) < 145  # the longest name, transformer_attribution, included
     assert main(["methods", "--markdown"]) == 0
     assert capsys.readouterr().out.strip() == camviz.cams.table()
 

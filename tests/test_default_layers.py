@@ -18,6 +18,7 @@ import pytest
 import timm
 import torch
 import torchvision
+from conftest import conv_net
 from torch import nn
 
 import camviz
@@ -140,3 +141,21 @@ def test_the_offline_model_keeps_its_layer(offline_model):
 
     assert offline_model.default_layer == OFFLINE_LAYER
     assert result.layers == [OFFLINE_LAYER]
+
+
+def test_the_dry_run_is_paid_once_per_model_input_rank_and_kind_of_target():
+    model = conv_net(4, 6, classes=3)
+    passes: list[int] = []
+    model.register_forward_hook(lambda *_: passes.append(1))
+
+    def runs(size: int, target: object) -> tuple[int, list[str]]:
+        before = len(passes)
+        images = torch.rand(1, 3, size, size, generator=torch.Generator().manual_seed(size))
+        result = camviz.explain(model, images, target=target)
+        return len(passes) - before, result.layers
+
+    assert runs(16, 0) == (2, ["3"])  # the dry run, then the explaining pass
+    assert runs(24, 2) == (1, ["3"])  # another size and class: the same rank and kind
+    # A unit's score is read at its layer: another kind of target, another dry run.
+    assert runs(16, camviz.Unit("2", channel=1)) == (2, ["1"])
+    assert runs(24, camviz.Unit("2", channel=0)) == (1, ["1"])

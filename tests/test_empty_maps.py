@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import conv_net
+from conftest import conv_net, tiny_vit
 from torch import nn
 
 import camviz
@@ -69,3 +69,26 @@ def test_the_folder_job_marks_empty_maps_in_the_rows_and_counts_them(
         _report(summary, str(out))
         stderr = capsys.readouterr().err
         assert ("1 map(s) are all zero" in stderr) is empty
+
+
+def _blind(model: nn.Module, head: nn.Linear) -> nn.Module:
+    """The model with its head's weights zeroed: its scores depend on no layer at all."""
+    with torch.no_grad():
+        head.weight.zero_()
+    return model
+
+
+@pytest.mark.parametrize("family", ["cnn", "vit"])
+def test_a_score_no_layer_reaches_speaks_of_class_tokens_only_for_token_models(family) -> None:
+    if family == "cnn":
+        model = conv_net(4, classes=3)
+        model = _blind(model, model[-1])
+    else:
+        model = tiny_vit()
+        model = _blind(model, model.heads.head)
+    images = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(camviz.CamvizError) as error:
+        camviz.explain(model, images, target=1)
+    message = str(error.value)
+    assert "does not depend on any layer with a grid" in message and "\n" not in message
+    assert ("class token" in message) == (family == "vit")

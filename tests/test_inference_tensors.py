@@ -18,6 +18,8 @@ from torch import nn
 
 import camviz
 from camviz.core.layers import layer_shapes
+from camviz.io import models
+from camviz.units.fields import receptive_field
 
 
 class CachingNet(nn.Module):
@@ -45,6 +47,20 @@ def _images() -> torch.Tensor:
     return torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
 
 
+class _Images(torch.utils.data.Dataset):
+    def __init__(self, images: torch.Tensor) -> None:
+        self.images = images
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.images[index]
+
+
+_CHANNEL = camviz.Unit("features", channel=1)
+
+
 PASSES: dict[str, Callable[[nn.Module, torch.Tensor], object]] = {
     "default layer": lambda model, x: camviz.explain(model, x),
     "layer_shapes": lambda model, x: layer_shapes(model, x),
@@ -55,6 +71,12 @@ PASSES: dict[str, Callable[[nn.Module, torch.Tensor], object]] = {
     "sess": lambda model, x: camviz.explain(model, x, method="sess", layer="features"),
     "deletion": lambda model, x: camviz.metrics.deletion(model, x, torch.rand(2, 16, 16), steps=4),
     "features": lambda model, x: camviz.features(model, x, "features"),
+    # A unit's layer is read by a dry pass before the explaining one.
+    "unit target": lambda model, x: camviz.explain(model, x, layer="features.0", target=_CHANNEL),
+    "top_examples": lambda model, x: camviz.top_examples(model, _Images(x), _CHANNEL, k=1),
+    "visualize_unit": lambda model, x: camviz.visualize_unit(model, _CHANNEL, size=16, steps=2),
+    "receptive_field": lambda model, x: receptive_field(model, x, "features", how="measured"),
+    "load's class count": lambda model, x: models._output_classes(model, x),
 }
 
 
@@ -87,3 +109,17 @@ def test_explain_inside_a_callers_inference_mode_gives_the_same_maps(method: str
         inside = camviz.explain(model, images, method=method, target=2)
     torch.testing.assert_close(inside.heatmaps, expected.heatmaps)
     assert not any(tensor.is_inference() for tensor in model.state_dict().values())
+
+
+def test_sanity_check_and_class_ids_made_inside_a_callers_inference_mode() -> None:
+    model, x = CachingNet().eval(), _images()
+    expected = camviz.sanity.cascading_randomization(model, x, layer="features", target=[2, 0])
+    with torch.inference_mode():
+        ids = torch.tensor([2, 0])  # an inference tensor, as a caller's argmax would be
+        inside = camviz.sanity.cascading_randomization(model, x, layer="features", target=ids)
+        explained = camviz.explain(model, x, layer="features", target=ids)
+    torch.testing.assert_close(inside.spearman, expected.spearman)
+    torch.testing.assert_close(inside.ssim, expected.ssim)
+    plain = camviz.explain(model, x, layer="features", target=[2, 0])
+    torch.testing.assert_close(explained.heatmaps, plain.heatmaps)
+    assert explained.targets.tolist() == [2, 0]

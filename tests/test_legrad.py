@@ -130,7 +130,7 @@ def test_legrad_through_timm_fused_attention_equals_the_explicit_formula(inputs,
 
 def test_legrad_refuses_models_without_attention_blocks_and_is_left_out_of_their_list():
     model = conv_net(4, classes=2)
-    with pytest.raises(CamvizError, match="legrad explains timm and torchvision vision"):
+    with pytest.raises(CamvizError, match="legrad explains timm, torchvision, MONAI"):
         camviz.explain(model, torch.randn(1, 3, 8, 8), "legrad", layer="0")
     assert "legrad" not in camviz.cams.names(model)
     assert "legrad" in camviz.cams.names(timm_vit())

@@ -16,8 +16,9 @@ from camviz.core.errors import CamvizError
 from camviz.core.layers import default_target_layer
 from camviz.core.targets.unit import Unit, parse_channels, parse_unit
 from camviz.io.images import Preprocess
-from camviz.io.pictures import select_channels
+from camviz.io.pictures import overlay, select_channels
 from camviz.units.fields import receptive_field
+from camviz.units.gallery import example_maps
 from camviz.units.heaps import TopHeaps
 from camviz.units.scan import top_examples
 from camviz.units.visualize import visualize_unit
@@ -147,6 +148,31 @@ def test_heaps_of_shards_merge_into_the_heaps_of_everything_and_keep_an_image_on
     assert TopHeaps.from_state(even.state()).best() == whole.best()
 
 
+def test_the_gallery_crops_each_top_image_to_its_field_with_the_units_own_map():
+    model = conv_net(4, 6, classes=3)
+    generator = np.random.default_rng(5)
+    photos = [  # 32 x 48 photos, preprocessed to 16 x 24: the crops scale by 2
+        Image.fromarray(generator.integers(0, 256, (32, 48, 3), dtype=np.uint8)) for _ in range(6)
+    ]
+    preprocess = Preprocess(size=16, mean=(0, 0, 0), std=(1, 1, 1))
+    units = Unit("2", channel=[0, 3])
+    tops = top_examples(model, Images(photos), units, k=2, preprocess=preprocess)
+    field = receptive_field(model, torch.zeros(1, 3, 16, 24), "2")
+    drawn = example_maps(model, tops, field, lambda example: photos[example.index], preprocess)
+    for top, maps in zip(tops, drawn, strict=True):
+        assert maps.values == [example.value for example in top.examples]
+        for rank, example in enumerate(top.examples):
+            photo = photos[example.index]
+            (upper, lower), (left, right) = field.box(example.location, (16, 24))
+            box = (2 * left, 2 * upper, 2 * right, 2 * lower)
+            inputs = preprocess(photo).unsqueeze(0)
+            # The unit's own Grad-CAM, at the layer before it, one channel at a time.
+            alone = camviz.explain(model, inputs, layer="1", target=top.unit).heatmaps[0]
+            assert np.array_equal(np.asarray(maps.crops[rank]), np.asarray(photo.crop(box)))
+            expected = np.asarray(overlay(photo, alone).crop(box), dtype=np.int16)
+            assert np.abs(np.asarray(maps.overlays[rank], dtype=np.int16) - expected).max() <= 1
+
+
 # Units as targets ---------------------------------------------------------------------------
 
 
@@ -213,6 +239,9 @@ def test_unit_gradcam_equals_a_hand_autograd_on_the_patch_tokens_of_a_vit():
     expected = hand_gradcam(on_grid(kept["A"]), on_grid(gradients))
     torch.testing.assert_close(result.layer_maps, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(result.scores, score.detach(), rtol=1e-5, atol=0)
+    # A neuron (channel, patch row, patch column): the patch after the class token.
+    neuron = camviz.explain(model, inputs, layer=first, target=Unit(second, neuron=(3, 1, 2)))
+    torch.testing.assert_close(neuron.scores, kept["B"][:, 1 + 1 * 4 + 2, 3].detach())
 
 
 def test_the_default_layer_of_a_unit_is_the_last_map_before_its_layer():
@@ -247,6 +276,44 @@ def test_methods_that_score_re_runs_and_a_moved_neuron_are_refused_in_one_line()
         camviz.explain(
             model, inputs, layer="1", target=Unit("2", neuron=(0, 1, 1)), aug_smooth=True
         )
+
+
+class _Head(nn.Module):
+    """A head that takes a list of feature maps (as Ultralytics' ``Detect`` does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 3)
+
+    def forward(self, levels: list[torch.Tensor]) -> torch.Tensor:
+        return self.linear(torch.cat([level.mean((2, 3)) for level in levels], 1))
+
+
+class _LevelsNet(nn.Module):
+    """Two feature maps, fine and coarse, both handed to :class:`_Head`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fine = nn.Conv2d(3, 4, 3, padding=1)
+        self.coarse = nn.Conv2d(4, 4, 3, stride=2, padding=1)
+        self.head = _Head()
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        fine = self.fine(images).relu()
+        return self.head([fine, self.coarse(fine).relu()])
+
+
+def test_a_unit_of_a_heads_input_levels_is_one_level_named_in_the_refusal():
+    model = _LevelsNet().eval()
+    images = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    with pytest.raises(CamvizError, match=r"gives a list, .* such as 'head:input\[0\]\[0\]'"):
+        camviz.explain(model, images, layer="fine", target=Unit("head:input", channel=1))
+    coarse = Unit("head:input[0][1]", channel=1)
+    result = camviz.explain(model, images, layer="fine", target=coarse)
+    with torch.no_grad():
+        expected = model.coarse(model.fine(images).relu()).relu()[:, 1].mean((1, 2))
+    torch.testing.assert_close(result.scores, expected)
 
 
 # Units --------------------------------------------------------------------------------------

@@ -83,10 +83,13 @@ def one_line_error(error: str, *fragments: str) -> None:
 def test_a_scan_comes_back_as_a_heatmap_with_its_geometry(cli, folder, tmp_path):
     out = tmp_path / "out"
     model = f"{folder / 'nets3d.py'}:segmenter"
-    status, error = cli(folder / "scan.nii.gz", "--model", model, "--layer", "3", "--out", out)
+    status, error = cli(folder / "scan.nii.gz", "--model", model, "--out", out)
     assert status == 0, error
 
     (row,) = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    # The default layer is the one explain picks for the region: the last ReLU, the last map
+    # before the 1 x 1 convolution that gives the logits.
+    assert row["layers"] == ["3"]
     files = row["explained"][0]["files"]
     assert files == {"heatmap": "scan_heatmap.nii.gz", "montage": "scan_montage.png"}
     scan, heatmap = nibabel.load(folder / "scan.nii.gz"), nibabel.load(out / files["heatmap"])
@@ -116,8 +119,7 @@ def test_a_scan_comes_back_as_a_heatmap_with_its_geometry(cli, folder, tmp_path)
 
     # A rerun finds it done, and its own outputs are no inputs.
     status, error = cli(
-        folder / "scan.nii.gz", out, "--model", model, "--layer", "3", "--out", out,
-        "--task", "volume",
+        folder / "scan.nii.gz", out, "--model", model, "--out", out, "--task", "volume",
     )  # fmt: skip
     assert status == 0, error
     assert len((out / "manifest.jsonl").read_text().splitlines()) == 1
@@ -183,12 +185,13 @@ def test_windows_from_the_command_line(cli, folder, tmp_path):
     out = tmp_path / "out"
     model = f"{folder / 'nets3d.py'}:segmenter"
     status, error = cli(
-        folder / "scan.nii.gz", "--model", model, "--layer", "3", "--out", out,
+        folder / "scan.nii.gz", "--model", model, "--out", out,
         "--roi-size", "8,8,6", "--overlap", "0.5", "--blend", "gaussian", "--percentile", "1,99",
     )  # fmt: skip
     assert status == 0, error
     (row,) = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     assert row["windows"] == 3 * 3 * 3
+    assert row["layers"] == ["3"]  # found on a window, as explain finds it on the volume
     settings = json.loads((out / "manifest.json").read_text())["settings"]
     assert settings["volumes"] == {
         "percentile": [1.0, 99.0], "roi_size": [8, 8, 6], "overlap": 0.5, "blend": "gaussian"

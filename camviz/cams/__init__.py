@@ -8,12 +8,14 @@
 
 from camviz.cams import (  # noqa: F401 - importing a method module registers it
     ablationcam,
+    attentionrollout,
     cam,
     eigencam,
     fem,
     fullgrad,
     gradcam,
     gradcampp,
+    gradientrollout,
     guided,
     hirescam,
     kpcacam,
@@ -24,6 +26,7 @@ from camviz.cams import (  # noqa: F401 - importing a method module registers it
     segeigencam,
     sess,
     shapleycam,
+    transformerattribution,
     wrappers,
     xgradcam,
 )

@@ -29,6 +29,7 @@ from camviz.core.inputs import run_model
 from camviz.core.placement import Placement, Stretch
 
 if TYPE_CHECKING:
+    from camviz.core.attention import AttentionMaps
     from camviz.core.grids import Layout
     from camviz.core.inputs import Inputs, Key
     from camviz.core.targets import TargetObject
@@ -57,6 +58,9 @@ class LayerData:
         placement: Where the layer's grid lies on the map input (a detector resizes and pads
             its images; :mod:`camviz.core.placement`); ``None``: it covers the whole input.
             Methods lay grid maps on the input with :meth:`on_input`, never by resizing.
+        attention: Every block's attention probabilities from the same pass (and this rank's
+            gradients with respect to them), for methods that ask for them (``attention``);
+            else ``None``.
 
     ``score_fn(output, samples)`` also scores perturbed batches: ``samples`` is the ``(R,)``
     index of the input each output row was made from (``None``: row ``n`` is input ``n``).
@@ -74,6 +78,7 @@ class LayerData:
     hessian_products: torch.Tensor | None = None
     batch: Inputs | None = None
     placement: Placement | None = None
+    attention: AttentionMaps | None = None
 
     def on_input(self, maps: torch.Tensor, samples: torch.Tensor | None = None) -> torch.Tensor:
         """``(R, *grid)`` maps at the layer's grid laid on the map input, ``(R, *spatial)``;
@@ -121,6 +126,9 @@ class CamMethod:
             scores sets it to ``False`` and always scores in float32.
         pixel_level: Whether its maps are per-pixel saliency (input gradients), drawn
             clipped at a high percentile (:data:`camviz.io.render.SALIENCY_PERCENTILE`).
+        attention: What the pass records of every transformer block's attention
+            (:mod:`camviz.core.attention`): ``None``, ``"probabilities"``, or
+            ``"gradients"`` (also each rank's gradient with respect to them).
     """
 
     name: ClassVar[str]
@@ -133,11 +141,18 @@ class CamMethod:
     input_resolution: ClassVar[bool] = False
     reduced_precision: ClassVar[bool] = True
     pixel_level: ClassVar[bool] = False
+    attention: Literal["probabilities", "gradients"] | None = None
 
     @classmethod
     def applies_to(cls, model: nn.Module) -> bool:
         """Whether the method can explain ``model`` (LeGrad needs a vision transformer)."""
         return True
+
+    def default_layer(self, model: nn.Module, batch: Inputs) -> str | None:
+        """The layer explained when none is named; ``None``: camviz's default layer
+        (:func:`camviz.core.layers.default_target_layer`). The attention methods take the
+        last transformer block."""
+        return None
 
     def explained_target(self, target: TargetObject) -> TargetObject:
         """The target the engine explains when the caller asks for ``target``.

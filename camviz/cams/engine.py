@@ -7,7 +7,7 @@ what it recorded, lets the method turn it into raw maps, finishes them
 copies, :mod:`camviz.cams.augmentation`) and returns an :class:`Explanation`. Inputs of any
 spatial rank, several inputs (:mod:`camviz.core.inputs`), taps on a layer's input or one
 element of its output (:mod:`camviz.core.taps`), and layouts told from the module that
-produced an output (:mod:`camviz.core.layouts`, :mod:`camviz.cams.layout`) all meet here.
+produced an output (:mod:`camviz.core.layouts`, :mod:`camviz.core.grids`) all meet here.
 
 Whatever happens, the model comes back as it was: hooks removed, every module's train/eval
 flag restored, ``requires_grad`` and ``.grad`` never touched.
@@ -32,11 +32,11 @@ from torch import nn
 from camviz.cams.augmentation import Augmentation, aug_scales
 from camviz.cams.base import CamMethod, ChannelWeighted, InputMapMethod
 from camviz.cams.finishing import Finished, Finishing, Fuse, Maps, RawMaps
-from camviz.cams.layout import NoPatchGridError
 from camviz.cams.recording import LayerPass, layer_data, layer_pass, spot_layout
 from camviz.cams.registry import create
 from camviz.core.errors import CamvizError, NonFiniteError
 from camviz.core.finite import first_nonfinite_layer, is_finite
+from camviz.core.grids import NoPatchGridError
 from camviz.core.inputs import Inputs, Key, as_inputs
 from camviz.core.layerkinds import Kind
 from camviz.core.layers import Layer, default_target_layer, patch_token_layers
@@ -143,7 +143,8 @@ def explain(
             ``"name[0]"`` / ``"name[key]"`` takes one element of a tuple, list or dict
             output, and a layer whose output holds feature maps (an FPN's levels) gives one
             map per level, fused (:mod:`camviz.core.taps`). ``None``: the default target
-            layer (:func:`camviz.core.layers.default_target_layer`).
+            layer (:func:`camviz.core.layers.default_target_layer`), or the method's own
+            (the attention methods: the last block, ``layer=`` the last block read).
         target: What to explain (:mod:`camviz.core.targets`): a class id, ids, ``None`` for
             the top class (or the output itself when it is one number per sample),
             ``"top3"``, a ``Region``, ``Contrast``, ``Similarity`` or ``Detection``, or a
@@ -301,11 +302,11 @@ class _Passes:
         target: TargetObject,
     ) -> _Passes:
         """The passes at the spots ``layer`` names (or the default layer's, for ``target``)."""
-        layers = (
-            [default_target_layer(model, batch, target, output_key)]
-            if layer is None
-            else spot_keys(model, layer, at)
-        )
+        if layer is None:
+            own = cam.default_layer(model, batch)
+            layers = [own or default_target_layer(model, batch, target, output_key)]
+        else:
+            layers = spot_keys(model, layer, at)
         return cls(
             cam, model, layers, SpotKinds.of(model, batch.main.dim(), layers, layout), output_key
         )
@@ -321,6 +322,7 @@ class _Passes:
             output_key=self.output_key,
             hessian=self.cam.uses_hessian,
             record=calls,
+            attention=self.cam.attention,
         )
 
     def first(self, batch: Inputs, target: TargetObject) -> LayerPass:

@@ -1,46 +1,28 @@
 """LeGrad: gradients of each block's own prediction with respect to its attention map.
 
-No attention matrix needs to exist in the model. timm's ``Attention`` calls
-:func:`torch.nn.functional.scaled_dot_product_attention`, which fuses softmax and product;
-``nn.MultiheadAttention`` (torchvision's ViT, called with ``need_weights=False``) calls
-``F.multi_head_attention_forward``, which calls the former. For the duration of one forward
-pass a :class:`~torch.overrides.TorchFunctionMode` computes each such call explicitly, the
-attention as ``(softmax(q k^T * scale + mask) + delta) v`` with a zero ``delta`` that
-requires grad (the engine's trick, :mod:`camviz.cams.recording`): the gradient with respect to
-``delta`` is the gradient with respect to the attention probabilities, and the forward values
-are those of the fused call up to float rounding. Nothing on the model is changed but one
-flag: timm's ``Attention`` modules built with fused attention off (``TIMM_FUSED_ATTN=0``)
-compute ``softmax`` themselves, so their ``fused_attn`` is switched on for the pass
-(:class:`~camviz.core.modelstate.FusedAttention`) and back off at its end, errors included.
-The mode ends with the pass too. The pass itself goes through the engine's
-:meth:`~camviz.cams.base.LayerData.run`, and the block outputs are read with
-:func:`camviz.core.hooks.edit`.
+No attention matrix needs to exist in the model: the attention of every block is recorded
+during one forward pass by :func:`camviz.core.attention.capturing`, fused attention
+included, each one handed on as ``P + delta`` with a zero ``delta`` that requires grad, so
+that the gradient with respect to ``delta`` is the gradient with respect to the attention
+probabilities. The pass goes through the engine's :meth:`~camviz.cams.base.LayerData.run`,
+and the block outputs are read with :func:`camviz.core.hooks.edit`.
 """
 
 from __future__ import annotations
 
-import inspect
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.registry import register
-from camviz.core.calls import CallMode
+from camviz.core.attention import attention_blocks, capturing
 from camviz.core.errors import CamvizError
 from camviz.core.grids import layout_of, patch_size
 from camviz.core.hooks import edit
-from camviz.core.modelstate import FusedAttention, changed
-
-# scaled_dot_product_attention's parameters, in order (a builtin: no inspect.signature).
-_SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 
 @dataclass
@@ -58,9 +40,11 @@ class VitParts:
 
 
 def vit_parts(model: nn.Module) -> VitParts | None:
-    """The blocks and head of a timm or torchvision ``VisionTransformer``, else ``None``."""
+    """The blocks and head of a timm, torchvision or MONAI ``VisionTransformer`` or a
+    Hugging Face ``...ForImageClassification`` (ViT, DeiT), else ``None``."""
     modules = dict(model.named_children())
-    blocks, head = modules.get("blocks"), modules.get("head")
+    blocks = modules.get("blocks")
+    head = modules.get("head", modules.get("classification_head"))  # timm, MONAI
     if isinstance(blocks, (nn.Sequential, nn.ModuleList)) and head is not None:
         # timm: norm before token pooling, fc_norm after it; one of them is an Identity.
         norms = [modules[name] for name in ("norm", "fc_norm") if name in modules]
@@ -73,6 +57,22 @@ def vit_parts(model: nn.Module) -> VitParts | None:
         if isinstance(layers, nn.Sequential) and norm is not None:
             names = [f"encoder.layers.{name}" for name, _ in layers.named_children()]
             return VitParts(names, partial(_pooled, [norm, heads]))
+    return _hugging_face_parts(modules)
+
+
+def _hugging_face_parts(modules: dict[str, nn.Module]) -> VitParts | None:
+    """A Hugging Face classifier's: a base model with transformer blocks and a final
+    ``layernorm``, beside a linear ``classifier`` on its hidden size."""
+    classifier = modules.get("classifier")
+    for name, base in modules.items():
+        norm = getattr(base, "layernorm", None)
+        if (
+            isinstance(norm, nn.LayerNorm)
+            and isinstance(classifier, nn.Linear)
+            and classifier.in_features == norm.normalized_shape[-1]
+        ):
+            names = [f"{name}.{block}" for block in attention_blocks(base)]
+            return VitParts(names, partial(_pooled, [norm, classifier])) if names else None
     return None
 
 
@@ -82,96 +82,6 @@ def _pooled(modules: Sequence[nn.Module], tokens: torch.Tensor) -> torch.Tensor:
     for module in modules:
         pooled = module(pooled)
     return pooled
-
-
-class _AttentionTaps(CallMode):
-    """Computes every attention call explicitly and hands on ``P + delta``; ``deltas`` holds
-    one zero tensor per call, in call order.
-
-    Two calls are intercepted: ``scaled_dot_product_attention`` (timm) and
-    ``multi_head_attention_forward``, the functional form of ``nn.MultiheadAttention``
-    (torchvision), which would otherwise call the former with this mode switched off.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.deltas: list[torch.Tensor] = []
-
-    def call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if func is F.scaled_dot_product_attention:
-            call = dict(zip(_SDPA_PARAMETERS, args, strict=False)) | kwargs
-            query, key, value = call["query"], call["key"], call["value"]
-            if call.get("enable_gqa", False) and key.shape[-3] != query.shape[-3]:
-                key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
-                value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
-            return self.attend(query, key, value, call)[0]
-        if func is F.multi_head_attention_forward:
-            return self.multi_head(_MHA_SIGNATURE.bind(*args, **kwargs).arguments)
-        return func(*args, **kwargs)
-
-    def attend(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: dict[str, Any]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(P + delta) v`` and ``P = softmax(q k^T * scale + mask)``, for ``(N, H, L, d)``
-        tensors."""
-        if call.get("dropout_p", 0.0) > 0:
-            raise CamvizError("legrad needs attention dropout off; put the model in eval mode")
-        scale = call.get("scale") or 1 / math.sqrt(query.shape[-1])
-        logits = query @ key.transpose(-2, -1) * scale
-        mask = call.get("attn_mask")
-        if call.get("is_causal", False):
-            mask = torch.ones(logits.shape[-2:], dtype=torch.bool, device=logits.device).tril()
-        if mask is not None and mask.dtype == torch.bool:
-            logits = logits.masked_fill(~mask, -torch.inf)
-        elif mask is not None:
-            logits = logits + mask
-        probabilities = logits.softmax(dim=-1)
-        delta = torch.zeros_like(probabilities, requires_grad=True)
-        self.deltas.append(delta)
-        return (probabilities + delta) @ value, probabilities.detach()
-
-    def multi_head(self, call: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``nn.MultiheadAttention``'s functional form for batched self-attention inputs
-        ``(L, N, E)`` without added key/value biases or padding masks."""
-        query, key, value = call["query"], call["key"], call["value"]
-        if (
-            query.dim() != 3
-            or call.get("bias_k") is not None
-            or call.get("add_zero_attn", False)
-            or call.get("key_padding_mask") is not None
-            or call.get("static_k") is not None
-        ):
-            raise CamvizError(
-                "legrad handles batched nn.MultiheadAttention without bias_k, add_zero_attn, "
-                "static keys or key padding masks; pick another method for this model"
-            )
-        if call.get("use_separate_proj_weight", False):
-            weights = (call["q_proj_weight"], call["k_proj_weight"], call["v_proj_weight"])
-        else:
-            weights = call["in_proj_weight"].chunk(3)
-        bias = call.get("in_proj_bias")
-        biases = bias.chunk(3) if bias is not None else (None, None, None)
-        heads = call["num_heads"]
-
-        def split(tokens: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
-            projected = F.linear(tokens, weight, bias)  # (L, N, E)
-            return projected.unflatten(-1, (heads, -1)).permute(1, 2, 0, 3)  # (N, H, L, d)
-
-        q, k, v = (
-            split(t, w, b) for t, w, b in zip((query, key, value), weights, biases, strict=True)
-        )
-        mask = call.get("attn_mask")
-        if mask is not None and mask.dim() == 3:
-            mask = mask.unflatten(0, (-1, heads))
-        if mask is not None and mask.dtype == torch.bool:
-            mask = ~mask  # nn.MultiheadAttention masks out True; sdpa keeps True
-        attended, probabilities = self.attend(q, k, v, {**call, "attn_mask": mask})
-        merged = attended.permute(2, 0, 1, 3).flatten(-2)  # (L, N, E)
-        output = F.linear(merged, call["out_proj_weight"], call.get("out_proj_bias"))
-        if not call.get("need_weights", True):
-            return output, None
-        averaged = call.get("average_attn_weights", True)
-        return output, probabilities.mean(dim=1) if averaged else probabilities
 
 
 @register
@@ -190,8 +100,9 @@ class LeGrad(CamMethod):
 
     The target layer plays no part beyond the engine's first pass; the map has the patch
     grid of the attention keys (class, distillation and register tokens dropped). Works on
-    timm's and torchvision's ``VisionTransformer`` (fused attention included, see the module
-    docstring); other models are refused. Costs one forward pass and one backward pass per
+    timm's, torchvision's and MONAI's ``VisionTransformer`` and Hugging Face's ViT and DeiT
+    classifiers (fused attention included, see the module docstring); other models are
+    refused. Costs one forward pass and one backward pass per
     block and rank.
 
     Compared with torchcam's ``LeGrad`` (torchvision models only): the same formula; with
@@ -227,7 +138,8 @@ class LeGrad(CamMethod):
         parts = vit_parts(data.model)
         if parts is None:
             raise CamvizError(
-                f"legrad explains timm and torchvision vision transformers, not a "
+                f"legrad explains timm, torchvision, MONAI and Hugging Face vision transformer "
+                f"classifiers, not a "
                 f"{type(data.model).__name__}; pick another method"
             )
         outputs: dict[str, torch.Tensor] = {}
@@ -236,27 +148,30 @@ class LeGrad(CamMethod):
             outputs[name] = output
             return output
 
-        taps = _AttentionTaps()
         recorders = {block: partial(keep, block) for block in parts.blocks}
         # Graphs of ordinary tensors, also inside a caller's inference mode.
         with (
             torch.inference_mode(False),
             torch.enable_grad(),
             edit(data.model, recorders),
-            changed(data.model, FusedAttention()),
-            taps,
+            capturing(data.model, gradients=True) as capture,
         ):
             data.run(data.inputs)
-        if len(taps.deltas) != len(parts.blocks):
+        deltas = [
+            call.delta
+            for call in capture.calls
+            if call.block in parts.blocks and call.delta is not None
+        ]
+        if len(deltas) != len(parts.blocks):
             raise CamvizError(
-                f"legrad found {len(taps.deltas)} fused attention calls in {len(parts.blocks)} "
+                f"legrad recorded {len(deltas)} attention calls in {len(parts.blocks)} "
                 "blocks; it needs one attention per block"
             )
         used = range(len(parts.blocks))[-self.last :] if self.last else range(len(parts.blocks))
         # The keys of a ViT's attention: its class token and patches (the grid from the
         # model's patch stride, as layout="tokens" asks).
         layout = layout_of(
-            (1, taps.deltas[0].shape[-1], 1),
+            (1, deltas[0].shape[-1], 1),
             "attention keys",
             data.inputs.shape[-2:],
             patch_size(data.model),
@@ -268,7 +183,7 @@ class LeGrad(CamMethod):
             for index in used:
                 with torch.inference_mode(False), torch.enable_grad():
                     score = rank.score_fn(parts.project(outputs[parts.blocks[index]])).sum()
-                (gradient,) = torch.autograd.grad(score, taps.deltas[index], retain_graph=True)
+                (gradient,) = torch.autograd.grad(score, deltas[index], retain_graph=True)
                 total = total + gradient.clamp_min(0).mean(dim=(1, 2))
             patches = total[:, layout.prefix :] / len(used)
             maps.append(patches.unflatten(1, layout.grid))

@@ -12,6 +12,10 @@ the gradient is taken with ``create_graph=True``, so ``g = dy/d(delta)`` is itse
 of ``delta``, and ``torch.autograd.grad(g, delta, grad_outputs=A)`` is the Hessian of ``y``
 with respect to ``A`` applied to ``A``. Only the graph after the layer is walked, twice.
 
+A method that reads attention (``attention``) gets every block's attention probabilities
+from the same pass (:mod:`camviz.core.attention`), and with ``"gradients"`` each rank's
+gradient with respect to them, taken in the same backward pass as the layers'.
+
 The target is resolved on the pass's output (:meth:`camviz.core.targets.TargetObject.resolve`),
 with the tensors of the extra spots it asks for. :func:`layer_data` turns what a pass
 recorded at one layer into the :class:`~camviz.cams.base.LayerData` a method reads.
@@ -22,12 +26,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from camviz.cams.base import LayerData
+from camviz.core.attention import AttentionCapture, AttentionMaps, as_maps, capturing
 from camviz.core.denseheads import DenseRows
 from camviz.core.errors import CamvizError
 from camviz.core.grids import Layout, layout_of, patch_size
@@ -63,6 +68,8 @@ class LayerPass:
         calls: Every module call of the pass, when asked for (to tell layouts).
         tokens: Where the patch tokens of each spot's tensor are, when the pass was followed
             from the map input and they are patch tokens (:mod:`camviz.core.lineage`).
+        attention: Every block's attention, one :class:`~camviz.core.attention.AttentionMaps`
+            per rank (with its gradients when asked for); empty unless asked for.
     """
 
     output: Any
@@ -74,6 +81,7 @@ class LayerPass:
     placement: Placement
     calls: CallLog | None = None
     tokens: dict[str, TokenGrid | None] = field(default_factory=dict)
+    attention: list[AttentionMaps] = field(default_factory=list)
 
     @property
     def score_fns(self) -> list[ScoreFn]:
@@ -86,7 +94,7 @@ class LayerPass:
         return self.resolved.class_ids
 
 
-class _Tap:
+class Tap:
     """The forward-hook edit on one target spot (see the module docstring).
 
     A spot that holds a tuple, list or dict (an FPN's levels) is tapped at each of its
@@ -167,6 +175,7 @@ def layer_pass(
     hessian: bool = False,
     record: bool = False,
     follow: bool | None = None,
+    attention: Attention = None,
 ) -> LayerPass:
     """Run the model once and record activations (and exact gradients) at ``layers``.
 
@@ -180,7 +189,8 @@ def layer_pass(
     at each layer (see the module docstring); ``record`` also logs every module call (for
     layouts); ``follow`` follows the pass from the map input to tell where the patch tokens
     of each spot are (:attr:`LayerPass.tokens`; by default unless every spot is a module
-    that outputs channels-first maps).
+    that outputs channels-first maps); ``attention`` also records every block's attention
+    probabilities, and with ``"gradients"`` their gradients (:attr:`LayerPass.attention`).
     """
     batch = inputs if isinstance(inputs, Inputs) else Inputs((inputs,), {}, 0, len(inputs))
     chosen = as_target(target)
@@ -189,7 +199,7 @@ def layer_pass(
     lineage = Lineage(batch.main) if follow else None
     # A caller's inference mode would stop the graph too.
     with exclusive(model), torch.inference_mode(False):
-        taps = {name: _Tap(name, gradients, batch.main.dim() - 2, lineage) for name in layers}
+        taps = {name: Tap(name, gradients, batch.main.dim() - 2, lineage) for name in layers}
         # Exact gradients through a detector's RoI or dense heads for the RoIs or anchors a
         # score uses (second order would need the replay's graph twice: ShapleyCAM takes the
         # plain path).
@@ -199,14 +209,19 @@ def layer_pass(
             if gradients and not hessian
             else None
         )
-        with lineage if lineage is not None else nullcontext():
+        captured = (
+            capturing(model, attention == "gradients") if attention is not None else nullcontext()
+        )
+        # The capture outside the lineage: the lineage sees the fused call it knows.
+        with captured as capture, lineage if lineage is not None else nullcontext():
             output, spots, placement, calls = _forward(model, batch, taps, chosen, shortcut, record)
         activations, deltas = _recorded(taps)
         resolved = chosen.resolve(output, Context(output_key, spots, batch.size))
         backward = _GradientPass(
-            output, deltas, activations, shortcut, gradients and hessian, list(layers)
+            output, deltas, activations, shortcut, gradients and hessian, list(layers), capture
         )
-        scores, per_rank, products = backward.run(resolved.scores, batch.size, gradients)
+        fns = resolved.scores
+        scores, per_rank, products = backward.run(fns, batch.size, gradients)
     return LayerPass(
         output=at_least_fp32(detach_to(output, None)),
         activations={name: at_least_fp32(values) for name, values in activations.items()},
@@ -217,6 +232,9 @@ def layer_pass(
         placement=placement,
         calls=calls,
         tokens={key: grid for tap in taps.values() for key, grid in tap.tokens.items()},
+        attention=(
+            [] if capture is None else as_maps(capture, backward.attention_gradients, len(fns))
+        ),
     )
 
 
@@ -234,7 +252,7 @@ def _may_hold_tokens(model: nn.Module, name: str) -> bool:
 def _forward(
     model: nn.Module,
     batch: Inputs,
-    taps: dict[str, _Tap],
+    taps: dict[str, Tap],
     target: TargetObject,
     shortcut: RoIRows | DenseRows | None,
     record: bool,
@@ -254,7 +272,7 @@ def _forward(
                 output = batch(model)
         else:
             output = batch(model)
-    edits: dict[str, _Tap | _Watch] = {**taps, **watches}
+    edits: dict[str, Tap | _Watch] = {**taps, **watches}
     for edit in edits.values():
         if not edit.ran:
             raise CamvizError(
@@ -266,7 +284,7 @@ def _forward(
     return output, spots, placement, log
 
 
-def _recorded(taps: dict[str, _Tap]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _recorded(taps: dict[str, Tap]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The activations of every tapped spot (container spots expanded into their feature
     maps) and their ``delta`` tensors (when gradients are asked for)."""
     activations: dict[str, torch.Tensor] = {}
@@ -277,10 +295,16 @@ def _recorded(taps: dict[str, _Tap]) -> tuple[dict[str, torch.Tensor], dict[str,
     return activations, deltas
 
 
+#: What a pass records of the attention: nothing, the probabilities, or also their gradients.
+Attention = Literal["probabilities", "gradients"] | None
+
+
 @dataclass
 class _GradientPass:
     """The backward passes of one recorded forward pass: each rank's score differentiated
-    with respect to every ``delta`` (and once more along ``A`` for ``hessian``)."""
+    with respect to every ``delta`` (and once more along ``A`` for ``hessian``), the
+    attention's among them when the capture took gradients (``attention_gradients``: per
+    rank, per call)."""
 
     output: Any
     deltas: dict[str, torch.Tensor]
@@ -288,6 +312,13 @@ class _GradientPass:
     shortcut: RoIRows | DenseRows | None
     hessian: bool
     layers: list[str]
+    capture: AttentionCapture | None = None
+    attention_gradients: list[list[torch.Tensor | None]] = field(default_factory=list)
+
+    @property
+    def _attention_deltas(self) -> list[torch.Tensor]:
+        calls = self.capture.calls if self.capture is not None else []
+        return [call.delta for call in calls if call.delta is not None]
 
     def run(
         self, fns: Sequence[ScoreFn], batch: int, gradients: bool
@@ -304,7 +335,7 @@ class _GradientPass:
                 score = score_fn(self.output)
                 _check_scores(score, batch)
                 scores.append(at_least_fp32(score.detach()))
-                if not gradients:
+                if not gradients and not self._attention_deltas:
                     continue
                 if not score.requires_grad:
                     raise CamvizError(
@@ -312,6 +343,9 @@ class _GradientPass:
                         f"{', '.join(self.layers)}; pick a layer before the model's output"
                     )
                 grads = self._gradients(score, retain=self.hessian or rank < len(fns) - 1)
+                if self._attention_deltas:
+                    self.attention_gradients.append(list(grads[len(self.deltas) :]))
+                    grads = grads[: len(self.deltas)]
                 for (name, delta), grad in zip(self.deltas.items(), grads, strict=True):
                     per_rank[name].append(
                         at_least_fp32(torch.zeros_like(delta) if grad is None else grad.detach())
@@ -322,7 +356,7 @@ class _GradientPass:
         return torch.stack(scores, dim=1), per_rank, products
 
     def _gradients(self, score: torch.Tensor, retain: bool) -> Sequence[torch.Tensor | None]:
-        deltas = list(self.deltas.values())
+        deltas = list(self.deltas.values()) + self._attention_deltas
         if self.shortcut:
             return self.shortcut.gradients(score.sum(), deltas, retain_graph=retain)
         return torch.autograd.grad(
@@ -400,6 +434,7 @@ def layer_data(
                 batch=batch,
                 hessian_products=None if product is None else layout.to_spatial(product),
                 placement=recorded.placement,
+                attention=recorded.attention[rank] if recorded.attention else None,
             )
         )
     return ranks

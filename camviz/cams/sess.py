@@ -232,7 +232,12 @@ class SESS(Wrapper):
         """The base method's ``(P, window, window)`` maps of some windows, normalised."""
         score = _PatchScore(data.score_fn, images)
         recorded = layer_pass(
-            data.model, patches, [data.layer], score, gradients=self.base.uses_gradients
+            data.model,
+            patches,
+            [data.layer],
+            score,
+            gradients=self.base.uses_gradients,
+            attention=self.base.attention,
         )
         ids = None if data.class_ids is None else data.class_ids[images]
         ranks = [

@@ -14,10 +14,12 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
 from camviz.cams.base import CamMethod, LayerData
 from camviz.cams.registry import create, register
 from camviz.core.errors import CamvizError
+from camviz.core.inputs import Inputs
 from camviz.core.targets import TargetObject
 
 
@@ -43,6 +45,10 @@ class Wrapper(CamMethod):
             self.base = create(base or self.default_base, **options)
         self.uses_gradients = self.base.uses_gradients
         self.uses_hessian = self.base.uses_hessian
+        self.attention = self.base.attention
+
+    def default_layer(self, model: nn.Module, batch: Inputs) -> str | None:
+        return self.base.default_layer(model, batch)
 
     def rank_maps(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
         return self.base.rank_maps(ranks)

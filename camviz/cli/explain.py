@@ -325,8 +325,9 @@ def _layer_before(unit: Unit, loaded: LoadedModel) -> str:
     from camviz.core.layers import default_target_layer
 
     size = getattr(loaded.preprocess, "size", 224)
+    channels = getattr(loaded.preprocess, "channels", 3)  # --input-channels
     device = next(loaded.model.parameters()).device
-    probe = torch.rand(1, 3, size, size, generator=torch.Generator().manual_seed(0))
+    probe = torch.rand(1, channels, size, size, generator=torch.Generator().manual_seed(0))
     return default_target_layer(loaded.model, probe.to(device), unit)
 
 

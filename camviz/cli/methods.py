@@ -52,7 +52,7 @@ def family(cls: type[CamMethod]) -> str:
         return "perturbation"
     if "input gradients" in cls.needs:
         return "input gradients"
-    if not cls.uses_gradients:
+    if not cls.uses_gradients and cls.attention != "gradients":
         return "gradient-free CAM"
     return "gradient CAM"
 

@@ -85,11 +85,7 @@ def default_layer(
     by_family = family_layer(model)  # no model call: also for inputs it takes otherwise
     if by_family is not None:
         return by_family
-    if not batch.size:  # refused even when remembered, so the answer never depends on history
-        raise CamvizError(
-            "the batch is empty, and the default layer is found by running the model on a "
-            "sample; pass layer=NAME to explain an empty batch"
-        )
+    require_sample(batch)
     rank = batch.main.dim() - 2
     spots = tuple(target.spots) if target is not None else ()
     key = (rank, type(target).__name__, output_key, spots)
@@ -98,6 +94,16 @@ def default_layer(
         run = _dry_run(model, batch, target, output_key)
         per_model[key] = _structural_layer(model, run, tuple(batch.main.shape[2:]))
     return per_model[key]
+
+
+def require_sample(batch: Inputs) -> None:
+    """An empty batch is refused where the default layer is found from a sample, even when it
+    is remembered, so that the answer never depends on history."""
+    if not batch.size:
+        raise CamvizError(
+            "the batch is empty, and the default layer is found by running the model on a "
+            "sample; pass layer=NAME to explain an empty batch"
+        )
 
 
 @dataclass
@@ -248,10 +254,12 @@ def _structural_layer(model: nn.Module, run: _DryRun, size: tuple[int, ...]) -> 
     if candidates:
         return max(candidates, key=lambda candidate: candidate.position).spot
     if structural:
+        tokens = any(run.log.calls[index].tokens is not None for index in structural)
+        hint = " (a head that reads only a class token?)" if tokens else ""
         raise CamvizError(
             "all maps would be zero: the explained score does not depend on any layer with a "
-            "grid at any location (a head that reads only a class token?); pass layer=NAME "
-            "(`camviz layers --model NAME` lists them)"
+            f"grid at any location{hint}; pass layer=NAME (`camviz layers --model NAME` lists "
+            "them)"
         )
     raise CamvizError(
         "could not find a layer with a spatial output to explain; pass layer=NAME "

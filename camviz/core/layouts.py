@@ -24,7 +24,7 @@ from camviz.core.errors import CamvizError
 from camviz.core.inputs import Inputs
 from camviz.core.layerkinds import CallLog, Kind, module_kind, needs_shape, record_calls
 from camviz.core.lineage import Lineage, TokenGrid
-from camviz.core.modelstate import eval_mode
+from camviz.core.modelstate import eval_mode, no_grad
 from camviz.core.taps import edit_spots, parse
 
 # What layout= accepts: the three kinds, and the usual spellings of the first two.
@@ -281,7 +281,7 @@ def spot_reading(model: nn.Module, spot: str, inputs: Inputs) -> SpotReading:
             record_calls(model) as log,
             edit_spots(model, {spot: keep}),
             eval_mode(model),
-            torch.no_grad(),
+            no_grad(),
             lineage,
         ):
             sample(model)

@@ -9,7 +9,8 @@ undone too, since what it will restore is saved before it starts). The changes c
 * :class:`EvalMode` - every module in eval mode (:func:`eval_mode`);
 * :class:`ForwardPrecision` - autocast and channels-last inputs around each call of the model,
   through a forward pre-hook and a forward hook (:func:`camviz.core.precision.forward_precision`);
-* :class:`FusedAttention` - timm's attention modules switched to the fused call (LeGrad);
+* :class:`FusedAttention` - attention modules (timm, MONAI, Hugging Face) switched to the
+  fused call, which :mod:`camviz.core.attention` records;
 * :class:`DetectorInputSize` - the sizes a torchvision detector resizes its images to
   (:func:`camviz.models.with_input_size`);
 * :class:`Attributes` - given attributes of given modules set to given values (a detector's
@@ -183,16 +184,46 @@ class Attributes(_SetAttributes):
 
 @dataclass(frozen=True)
 class FusedAttention(_SetAttributes):
-    """timm's attention modules built without fused attention (``TIMM_FUSED_ATTN=0``)
-    switched to the fused call, ``F.scaled_dot_product_attention``, which LeGrad intercepts
-    (their explicit softmax would escape it)."""
+    """Every attention module that computes its softmax itself switched to the fused call,
+    ``F.scaled_dot_product_attention``, which :mod:`camviz.core.attention` computes
+    explicitly and records (an explicit softmax would escape it):
+
+    * timm's attention modules built without fused attention (``TIMM_FUSED_ATTN=0``):
+      ``fused_attn``;
+    * MONAI's ``SABlock`` without relative position embeddings: ``use_flash_attention``;
+    * Hugging Face models: ``_attn_implementation`` ``"sdpa"`` on every config a module
+      holds and on each of its sub-configs (a CLIP model's vision and text configs), set on
+      each config itself, so that each one's own value comes back.
+    """
 
     def settings(self, model: nn.Module) -> Sequence[Setting]:
-        return [
-            (module, "fused_attn", True)
-            for module in model.modules()
-            if getattr(module, "fused_attn", None) is False
-        ]
+        settings: list[Setting] = []
+        for module in model.modules():
+            if getattr(module, "fused_attn", None) is False:
+                settings.append((module, "fused_attn", True))
+            if (
+                getattr(module, "use_flash_attention", None) is False
+                and getattr(module, "rel_positional_embedding", None) is None
+            ):
+                settings.append((module, "use_flash_attention", True))
+        configs = [getattr(module, "config", None) for module in model.modules()]
+        for config in _with_sub_configs(configs):
+            if config._attn_implementation_internal != "sdpa":
+                settings.append((config, "_attn_implementation_internal", "sdpa"))
+        return settings
+
+
+def _with_sub_configs(configs: Sequence[Any]) -> list[Any]:
+    """The Hugging Face configs among ``configs`` and their sub-configs, each once."""
+    found: dict[int, Any] = {}
+    pending = list(configs)
+    while pending:
+        config = pending.pop()
+        if not hasattr(config, "_attn_implementation_internal") or id(config) in found:
+            continue
+        found[id(config)] = config
+        pending += [getattr(config, key, None) for key in getattr(config, "sub_configs", {})]
+    return list(found.values())
 
 
 @dataclass(frozen=True)
@@ -202,17 +233,29 @@ class DetectorInputSize(_SetAttributes):
     Each ``GeneralizedRCNNTransform`` in the model gets ``min_size = (size,)`` and a
     longer side of at most ``size`` times its own ratio of ``max_size`` to ``min_size``; a
     fixed-size one (SSD) resizes to ``size x size``. A letterboxing detector (Ultralytics',
-    :class:`~camviz.core.placement.CentredLetterbox`) fits its images in ``size x size``.
+    :class:`~camviz.core.placement.CentredLetterbox`) fits its images in ``size x size``; a
+    Hugging Face detector's :class:`~camviz.core.placement.AspectResize` takes ``size`` as
+    its shorter side, the longer one limited as ``min_size`` above (a fixed one:
+    ``size x size``).
     """
 
     size: int
 
     def settings(self, model: nn.Module) -> Sequence[Setting]:
-        from camviz.core.placement import detector_transforms, letterboxes
+        from camviz.core.placement import aspect_resizes, detector_transforms, letterboxes
 
         settings: list[Setting] = [
             (letterbox, "size", self.size) for letterbox in letterboxes(model)
         ]
+        for resize in aspect_resizes(model):
+            if resize.fixed is not None:
+                settings.append((resize, "fixed", (self.size, self.size)))
+                continue
+            assert resize.shortest is not None
+            settings.append((resize, "shortest", self.size))
+            if resize.longest is not None:
+                longest = max(self.size, round(self.size * resize.longest / resize.shortest))
+                settings.append((resize, "longest", longest))
         transform: Any  # torchvision's GeneralizedRCNNTransform
         for transform in detector_transforms(model):
             ratio = transform.max_size / transform.min_size[0]

@@ -16,11 +16,16 @@ kept, and padded on both sides with grey. camviz runs that step inside the model
 :class:`CentredLetterbox` module (so that the map input is the photo itself); the image then
 lies centred in the padded square, at the offsets the module records.
 
+A vision-language model's image processor resizes, pads or crops the photo before its
+vision tower sees it; :class:`Window` lays a map on the photo through that geometry, given
+as the window of the photo (in its pixels) that the processed image covers.
+
 Which rule applies is recorded during a forward pass (:func:`recording`): a forward hook on
 every ``GeneralizedRCNNTransform`` and every :class:`CentredLetterbox` in the model (found
 by type, so a detector inside a wrapper is found too) reads the padded size and the resized
 sizes (and offsets) from what it returns. The images the detector is given are taken to be
-the map input's samples (a wrapper that resizes them first is read as a stretch).
+the map input's samples (a wrapper that resizes them first is read as a stretch, and so is
+Hugging Face's DETR-style resize without padding, the :class:`AspectResize` module).
 
 A batch of images of different sizes (a list given to a detector, see
 :mod:`camviz.core.inputs`) is a zero-padded canvas: sample ``n`` fills its top-left corner
@@ -134,6 +139,54 @@ class Letterbox(Placement):
         return laid if size is None else upsample(laid, size)
 
 
+@dataclass(frozen=True)
+class Window(Placement):
+    """The grid covers a window of the input given in the input's pixels, which may reach
+    beyond it (a processor that padded the image) or cover part of it (one that cropped):
+    the map is resized onto the window, and the input's pixels outside it, which the model
+    never saw, are zero.
+
+    Attributes:
+        top, left: The window's corner on the input, in pixels (fractions allowed).
+        height, width: Its extent, in pixels.
+        canvas: The input's ``(H, W)``.
+    """
+
+    top: float
+    left: float
+    height: float
+    width: float
+    canvas: Size
+
+    def lay(
+        self,
+        maps: torch.Tensor,
+        samples: torch.Tensor | None = None,
+        size: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        rows, columns = self.canvas
+        # Where each pixel centre falls in the window, 0 to 1 across it; grid_sample's
+        # coordinates run from -1 to 1 over the map's outer cell edges (align_corners=False),
+        # as F.interpolate's, so a window over the whole input is exactly Stretch.
+        down = (
+            torch.arange(rows, device=maps.device, dtype=maps.dtype) + 0.5 - self.top
+        ) / self.height
+        across = (
+            torch.arange(columns, device=maps.device, dtype=maps.dtype) + 0.5 - self.left
+        ) / self.width
+        grid = torch.stack(torch.meshgrid(2 * across - 1, 2 * down - 1, indexing="xy"), dim=-1)
+        laid = F.grid_sample(
+            maps.unsqueeze(1),
+            grid.expand(len(maps), rows, columns, 2),
+            mode="bilinear",
+            padding_mode="border",
+            align_corners=False,
+        )[:, 0]
+        inside = ((down >= 0) & (down <= 1))[:, None] & ((across >= 0) & (across <= 1))[None, :]
+        laid = laid * inside
+        return laid if size is None else upsample(laid, size)
+
+
 def _transform_type() -> type | None:
     """Torchvision's ``GeneralizedRCNNTransform``, if torchvision's detection models are
     loaded (no model can hold one otherwise, so nothing is imported here)."""
@@ -186,6 +239,58 @@ class CentredLetterbox(nn.Module):
             images = F.interpolate(images, size=(height, width), mode="bilinear")
         bottom, right = self.size - height - top, self.size - width - left
         return F.pad(images, (left, right, top, bottom), value=self.fill)
+
+
+class AspectResize(nn.Module):
+    """A detector's resize of its images without padding, as Hugging Face's processors of
+    DETR-style detectors do it: the shorter side to ``shortest`` pixels unless the longer
+    would then pass ``longest`` (then the longer side to ``longest``), or both sides to
+    ``fixed``. The grid still covers the whole image, so maps are laid by :class:`Stretch`.
+
+    Attributes:
+        shortest: The shorter side (``None`` with ``fixed``).
+        longest: The most pixels of the longer side (``None``: no limit).
+        fixed: ``(height, width)`` of every image, when the processor squashes to one size.
+    """
+
+    def __init__(
+        self,
+        shortest: int | None = None,
+        longest: int | None = None,
+        fixed: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__()
+        if (shortest is None) == (fixed is None):
+            raise CamvizError("an AspectResize takes a shorter side or a fixed size, not both")
+        self.shortest = shortest
+        self.longest = longest
+        self.fixed = fixed
+
+    def size(self, height: int, width: int) -> tuple[int, int]:
+        """The ``(height, width)`` an image of ``height x width`` is resized to."""
+        if self.fixed is not None:
+            return self.fixed
+        assert self.shortest is not None
+        short, long = min(height, width), max(height, width)
+        target = self.shortest
+        if self.longest is not None and long * target > self.longest * short:
+            target = round(self.longest * short / long)  # the longer side at the limit
+        if short == target:
+            return height, width
+        if height <= width:
+            return target, int(target * width / height)
+        return int(target * height / width), target
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        size = self.size(*images.shape[-2:])
+        if size == tuple(images.shape[-2:]):
+            return images
+        return F.interpolate(images, size=size, mode="bilinear", align_corners=False)
+
+
+def aspect_resizes(model: nn.Module) -> list[AspectResize]:
+    """The model's :class:`AspectResize` modules."""
+    return [module for module in model.modules() if isinstance(module, AspectResize)]
 
 
 def takes_image_lists(model: nn.Module) -> bool:

@@ -179,9 +179,13 @@ def edit_spots(
         if containers and isinstance(found, (tuple, list, Mapping)):
             return found  # fn takes the container whole
         if not isinstance(found, torch.Tensor):
+            # The spelling of its first element (a whole input spot is its first input's).
+            first = next(iter(found), 0) if isinstance(found, Mapping) else 0
+            example = element_key(key, first) if isinstance(found, (tuple, list, Mapping)) else ""
             raise CamvizError(
                 f"layer {key!r} gives a {type(found).__name__}, not a tensor; pick a layer that "
-                "outputs a feature map, or one element of it as 'name[0]' or 'name[key]'"
+                "outputs a feature map, or one element of it "
+                + (f"such as {example!r}" if example else "as 'name[0]' or 'name[key]'")
             )
         return found
 

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from camviz.core.errors import CamvizError
-from camviz.core.modelstate import HookSet
+from camviz.core.modelstate import HookSet, no_grad
 
 __all__ = ["SlidingWindowModel", "Windows", "importance_map", "window_starts"]
 
@@ -156,7 +156,7 @@ class SlidingWindowModel(nn.Module):
         count: torch.Tensor | None = None
         stride: tuple[int, ...] = ()
         for crop in crops:
-            with torch.no_grad():
+            with no_grad():
                 found = self._layer_output(volume[_index(crop)])
             if total is None or count is None:
                 stride = self._stride(roi, tuple(found.shape[2:]))
@@ -185,7 +185,7 @@ class SlidingWindowModel(nn.Module):
         for crop in crops:
             added = residual[_index(self._on_grid(crop, stride))]
             # Only the layers after the target keep a graph, as in any explaining pass.
-            with torch.no_grad(), self._adding(added):
+            with no_grad(), self._adding(added):
                 output = self.model(volume[_index(crop)])
             if not isinstance(output, torch.Tensor) or output.shape[2:] != roi:
                 raise CamvizError(

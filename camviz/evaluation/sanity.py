@@ -128,7 +128,8 @@ def cascading_randomization(
         A :class:`SanityReport`.
     """
     explainer, name = _explainer(method, layer)
-    copied = copy.deepcopy(model)
+    with torch.inference_mode(False):  # a copy of ordinary tensors, also in inference mode
+        copied = copy.deepcopy(model)
     if next(copied.parameters(), None) is None:
         raise CamvizError("the model has no parameters to randomise")
     inputs = as_batch(inputs, copied)
@@ -316,7 +317,7 @@ def _first_use(model: nn.Module, inputs: torch.Tensor) -> dict[int, int]:
     return recorder.order
 
 
-@torch.no_grad()
+@no_grad()
 def _randomize(parameters: Sequence[nn.Parameter], generator: torch.Generator) -> None:
     """Replace each parameter by noise with the tensor's own mean and std.
 

@@ -212,20 +212,22 @@ def _wire(gr: ModuleType, page: Any, w: Widgets, c: _Controls, h: Handlers) -> N
     def export(session: Any, progress: Any = bar) -> Any:
         return h.export(session, progress)
 
+    # Dropdowns answer a pick (select), not input: Gradio 6 fires input on every blur too,
+    # which would explain again (or reopen the image) whenever the user clicks elsewhere.
     # The progress bar and timer on the map only (on every output, they cost the page time).
     explaining = {"outputs": outputs, "show_progress_on": [w.overlay]}
     quiet = {"outputs": outputs, "show_progress": "hidden"}
     page.load(h.start, None, **explaining)
-    w.images.input(h.pick_image, [w.state, w.images], **explaining)
+    w.images.select(h.pick_image, [w.state, w.images], **explaining)
     c.upload.upload(h.upload, [w.state, c.upload], **explaining)
     w.candidates.input(picked, [w.state, w.candidates], **explaining)
-    w.class_name.input(typed, [w.state, w.class_name], **explaining)
+    w.class_name.select(typed, [w.state, w.class_name], **explaining)
     w.picture.select(clicked, [w.state], **explaining)
-    w.method.input(method, [w.state, w.method], **explaining)
+    w.method.select(method, [w.state, w.method], **explaining)
     c.apply.click(options, [w.state, w.options], **explaining)
-    w.layer.input(layer, [w.state, w.layer], **explaining)
+    w.layer.select(layer, [w.state, w.layer], **explaining)
     w.alpha.release(h.restyle, [w.state, w.alpha, w.colormap], **quiet)
-    w.colormap.input(h.restyle, [w.state, w.alpha, w.colormap], **quiet)
+    w.colormap.select(h.restyle, [w.state, w.alpha, w.colormap], **quiet)
     c.cancel.click(h.cancel, [w.state], queue=False, **quiet)
     c.pin.click(pin, [w.state], outputs, show_progress_on=[w.panels])
     c.clear.click(h.clear, [w.state], **quiet)

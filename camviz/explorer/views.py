@@ -7,8 +7,9 @@ between the two), and so are clicks on the photo.
 
 The channel view tiles a layer's channels with :func:`camviz.channel_grid` (the grid of
 ``camviz features``), ordered by the explained class's channel weights
-(:attr:`camviz.Explanation.weights` of the method shown, or Grad-CAM's for methods that do
-not weigh channels), strongest first; a click on a tile maps back to its channel.
+(``order="weight"`` with :attr:`camviz.Explanation.weights` of the method shown, or
+Grad-CAM's for methods that do not weigh channels), strongest first; a click on a tile
+maps back to its channel.
 """
 
 from __future__ import annotations
@@ -150,12 +151,18 @@ def channel_view(session: Session) -> ChannelView:
             f"{settings.layer} has {len(activations)} channels but {len(weights)} weights; "
             "pick a layer whose output is one feature map"
         )
-    order = torch.argsort(weights, descending=True, stable=True).tolist()
-    shown = order[:CHANNELS_SHOWN]
+    order, _ = select_channels(activations, len(activations), order="weight", weights=weights)
     factor = max(1, -(-_TILE_SIDE // min(activations.shape[-2:])))  # ceiling division
     tiles = F.interpolate(activations[None], scale_factor=factor, mode="nearest")[0]
-    columns = min(_GRID_COLUMNS, len(shown))
-    grid = channel_grid(tiles, channels=shown, ncols=columns, colormap="viridis")
+    columns = min(_GRID_COLUMNS, len(order), CHANNELS_SHOWN)
+    grid = channel_grid(
+        tiles,
+        channels=CHANNELS_SHOWN,
+        order="weight",
+        weights=weights,
+        ncols=columns,
+        colormap="viridis",
+    )
     picture = Image.fromarray(grid.mul(255).round().byte().permute(1, 2, 0).numpy())
     return ChannelView(
         layer=settings.layer,

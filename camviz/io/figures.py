@@ -1,11 +1,12 @@
 """Figures for notebooks and PDF/SVG, drawn with matplotlib, imported on first use.
 
-Figures (:func:`panel`, :func:`channel_figure`, the concept pictures and the figures of
-maps of every shape) are built with :class:`matplotlib.figure.Figure` directly, never
-through ``pyplot`` (whose global registry leaks figures in a loop and wants a GUI backend).
-matplotlib is imported inside each function, so importing this module (and
-:mod:`camviz.render`, which re-exports it) costs nothing until a figure is drawn. The
-pictures without matplotlib are in :mod:`camviz.io.pictures`.
+Figures (:func:`panel`, :func:`channel_figure`, the concept pictures, the figures of maps
+of every shape and :func:`token_figure`'s strip of a generated answer) are built with
+:class:`matplotlib.figure.Figure` directly, never through ``pyplot`` (whose global registry
+leaks figures in a loop and wants a GUI backend). matplotlib is imported inside each
+function, so importing this module (and :mod:`camviz.render`, which re-exports it) costs
+nothing until a figure is drawn. The pictures without matplotlib are in
+:mod:`camviz.io.pictures`.
 
 Maps of every shape (signals, images, volumes, clips; ``explain(..., relu=False)``) are
 drawn signed or not, with a colour bar: a signed map gets a diverging colour map centred on
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -131,6 +132,52 @@ def panel(
         ax.set_title(name, fontsize=9)
         ax.set_axis_off()
     figure.suptitle(title)
+    return figure
+
+
+class TokenMaps(Protocol):
+    """What :func:`token_figure` draws: one map per token (:class:`camviz.Generation`)."""
+
+    tokens: list[str]
+    heatmaps: torch.Tensor
+
+
+def token_figure(
+    image: Image.Image,
+    generation: TokenMaps,
+    *,
+    ncols: int | None = 8,
+    alpha: float = 0.5,
+    colormap: str | Colormap = "jet",
+) -> Figure:
+    """A strip of a generated answer: each token's text over its map's overlay on the image,
+    in reading order.
+
+    Args:
+        image: The photo the answer was generated for.
+        generation: The result of :func:`camviz.explain_generation`.
+        ncols: Panels per row (``None``: about square).
+        alpha, colormap: As in :func:`overlay`.
+    """
+    from matplotlib.figure import Figure
+
+    rgb = as_rgb(image)
+    maps = generation.heatmaps
+    if len(generation.tokens) != len(maps) or len(maps) == 0:
+        raise CamvizError(
+            f"token_figure needs one map per token, got {len(generation.tokens)} tokens and "
+            f"{len(maps)} maps"
+        )
+    columns = min(grid_columns(len(maps), ncols), len(maps))
+    rows = math.ceil(len(maps) / columns)
+    width, height = rgb.size
+    figure = Figure(figsize=(2 * columns, 2 * rows * height / width + 0.4), layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False).ravel()
+    for ax, token, heatmap in zip(axes, generation.tokens, maps, strict=False):
+        ax.imshow(overlay(rgb, heatmap, alpha, colormap))
+        ax.set_title(token.strip() or repr(token), fontsize=9)
+    for ax in axes:
+        ax.set_axis_off()
     return figure
 
 

@@ -62,7 +62,7 @@ from torch import nn
 
 from camviz.core.errors import CamvizError, first_line
 from camviz.core.layers import default_target_layer
-from camviz.core.modelstate import DetectorInputSize, ModelChange, changed
+from camviz.core.modelstate import Attributes, DetectorInputSize, ModelChange, changed, no_grad
 from camviz.io.architectures import DEFAULT_CLIP_LEN as DEFAULT_CLIP_LEN
 from camviz.io.architectures import OFFLINE_MODEL as OFFLINE_MODEL
 from camviz.io.architectures import TIMM_PREFIX as TIMM_PREFIX
@@ -208,7 +208,7 @@ def load(
         preprocess=preprocess,
         categories=_categories(source.class_names(model), options.classes, model, blank),
         name=source.name,
-        default_layer=source.default_layer(model) or _default_layer(model, blank),
+        default_layer=_default_layer(model, blank, task),
         task=task,
         clip_len=clip_len,
     )
@@ -307,12 +307,26 @@ def _blank(
     return noise.to(device)
 
 
-def _default_layer(model: nn.Module, blank: torch.Tensor) -> str | None:
+def _default_layer(model: nn.Module, blank: torch.Tensor, task: Task) -> str | None:
     """The layer :func:`camviz.explain` picks for ``model``, from one dry run on ``blank``;
-    ``None`` when it has no spatial layer. The engine remembers the answer per model, so
-    explaining with ``layer=None`` later costs no second dry run."""
+    ``None`` when it has no spatial layer. The engine remembers the answer per model and
+    kind of target, so explaining with ``layer=None`` later costs no second dry run.
+
+    A detector's score is its first detection (``camviz.Detection(0)``, what a job explains),
+    with its own ``score_thresh`` at 0 for the dry run: a noise probe scores below any real
+    threshold, and without a detection no gradient would tell which layers the score
+    depends on."""
+    target = None
+    changes: list[ModelChange] = []
+    if task == "detection":
+        from camviz.core.detection import Detection
+
+        target = Detection(0)
+        if isinstance(getattr(model, "score_thresh", None), float):
+            changes.append(Attributes(((model, "score_thresh", 0.0),)))
     try:
-        return default_target_layer(model, blank)
+        with changed(model, *changes):
+            return default_target_layer(model, blank, target)
     except CamvizError:
         return None
 
@@ -339,7 +353,7 @@ def _output_classes(model: nn.Module, blank: torch.Tensor) -> int | None:
     from camviz.core.targets import as_logits
 
     try:
-        with torch.no_grad():
+        with no_grad():  # ordinary tensors, also in a caller's inference mode
             output = as_logits(model(blank))
     except Exception:  # a model of other inputs: its classes stay unnamed
         return None

@@ -7,7 +7,8 @@ The public face of three modules, importable as ``camviz.render``:
   :func:`draw_box`), colours (:func:`colorize`, :func:`heatmap_image`) and channel grids
   as tensors (:func:`select_channels`, :func:`channel_grid`);
 * :mod:`camviz.io.figures`, matplotlib figures for notebooks and PDF/SVG (:func:`panel`,
-  :func:`channel_figure`, concepts, and the maps of signals, volumes and signed maps);
+  :func:`channel_figure`, concepts, the maps of signals, volumes and signed maps, and
+  :func:`token_figure`, a generated answer's maps token by token);
   matplotlib is imported when a figure is first drawn, not when this module is imported;
 * :mod:`camviz.io.output`, files and display (:func:`save`, :func:`show`, and
   :func:`clip_video`, which hands its frames to the video writer).
@@ -31,6 +32,7 @@ from camviz.io.figures import (
     panel,
     signal_figure,
     signed_figure,
+    token_figure,
     volume_montage,
 )
 from camviz.io.output import clip_video, save, show
@@ -74,6 +76,7 @@ __all__ = [
     "show",
     "signal_figure",
     "signed_figure",
+    "token_figure",
     "volume_montage",
 ]
 

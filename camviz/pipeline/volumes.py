@@ -11,20 +11,21 @@ The scan is read in its voxel order, its intensities windowed if asked
 and given to the model as a ``(1, 1, I, J, K)`` volume. A model whose output has the scan's
 shape segments: the explained score is the region the model predicts as the class
 ``--target`` names (by default the class predicted at the most voxels, the background left
-out), the sum of that class's logits over the region; any other model classifies, and its
-classes are explained as a classifier's.
+out), a :class:`camviz.Region` (that class's logits summed over the region); any other model
+classifies, and its classes are explained as a classifier's. The default layer is the one
+:func:`camviz.explain` picks for that target.
 
 A volume that fits the memory budget is explained in one pass; a larger one needs
 ``roi_size``: the model then runs on MONAI-style sliding windows
 (:class:`camviz.core.windows.SlidingWindowModel`), and the explained score is the region's
 score in the stitched output, its layer's activations and gradients stitched on the
-volume's grid.
+volume's grid; the layer must be named before the windows run, so by default it is the one
+:func:`camviz.explain` picks on the first window that holds the explained region.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,9 +36,10 @@ from PIL import Image
 from camviz.cams.engine import explain
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import model_device
+from camviz.core.layers import default_target_layer
 from camviz.core.memory import default_budget, format_bytes, parse_bytes, peak_bytes
-from camviz.core.targets import class_name
-from camviz.core.windows import Blend, SlidingWindowModel, Windows
+from camviz.core.targets import Region, as_target, class_name
+from camviz.core.windows import Blend, SlidingWindowModel, Windows, window_starts
 from camviz.io.models import LoadedModel
 from camviz.io.pictures import overlay
 from camviz.io.volumes import Volume, intensities, is_volume, montage, read_volume
@@ -181,28 +183,31 @@ def explain_volume(
     mean, std = loaded.preprocess.mean[0], loaded.preprocess.std[0]
     batch = ((scan - mean) / std)[None, None].to(device)
     layer = settings.layer if isinstance(settings.layer, str) else None
-    chosen = layer or loaded.default_layer
-    if chosen is None:
-        raise CamvizError(f"{loaded.name} has no spatial layer camviz can find; give --layer")
     given = settings.memory_budget
     budget = parse_bytes(given) if given is not None else default_budget(device)
     windows = _windows(loaded.model, batch, options, budget)
-    model = loaded.model if windows is None else SlidingWindowModel(loaded.model, chosen, windows)
-    explained_layer = chosen if windows is None else "stitched"
+    model: torch.nn.Module = loaded.model
+    if windows is not None:
+        layer = layer or _window_layer(loaded.model, batch, windows, settings, loaded.categories)
+        model = SlidingWindowModel(loaded.model, layer, windows)
     with torch.no_grad():
         output = model(batch)
-    score, explained = _target(output, batch, settings.target, loaded.categories)
+    target, region_class = _target(output, batch, settings.target, loaded.categories)
     explanation = explain(
         model,
         batch,
         settings.method,
-        layer=explained_layer,
-        target=score,
+        layer="stitched" if windows is not None else layer,
+        target=target,
         layout="channels_first" if windows is not None else None,
         **method_options,
     )
-    top = [] if explained else _top(explanation.output, loaded.categories)
-    if not explained:
+    top = [] if region_class is not None else _top(explanation.output, loaded.categories)
+    if region_class is not None:
+        assert explanation.scores is not None  # explain gives every explained score
+        name = class_name(loaded.categories, region_class)
+        explained = [Prediction(region_class, name, float(explanation.scores[0]), None)]
+    else:
         first = int(explanation.targets[0])
         explained = [next(prediction for prediction in top if prediction.id == first)]
     return VolumeResult(
@@ -211,10 +216,39 @@ def explain_volume(
         heatmap=explanation.heatmaps[0].detach().cpu(),
         explained=explained,
         top=top,
-        layers=[chosen],
+        layers=explanation.layers if layer is None else [layer],
         seconds=time.perf_counter() - started,
         windows=1 if windows is None else _window_count(batch, windows),
     )
+
+
+def _window_layer(
+    model: torch.nn.Module,
+    batch: torch.Tensor,
+    windows: Windows,
+    settings: JobSettings,
+    categories: list[str],
+) -> str:
+    """The default layer of a volume explained in sliding windows: the one
+    :func:`camviz.explain` picks on the first window where the explained region lies (the
+    layer must be named before the windows are stitched)."""
+    size = tuple(batch.shape[2:])
+    roi = tuple(min(side, extent) for side, extent in zip(windows.roi_size, size, strict=True))
+    error: CamvizError | None = None
+    for start in window_starts(size, roi, windows.overlap):
+        crop = batch
+        for axis, (first, side) in enumerate(zip(start, roi, strict=True), start=2):
+            crop = crop.narrow(axis, first, side)
+        with torch.no_grad():
+            output = model(crop)
+        try:
+            target, _ = _target(output, crop, settings.target, categories)
+        except CamvizError as missing:  # not in this window
+            error = missing
+            continue
+        return default_target_layer(model, crop, as_target(target))
+    assert error is not None  # there is always a window
+    raise error
 
 
 def _windows(
@@ -240,8 +274,6 @@ def _windows(
 
 
 def _window_count(batch: torch.Tensor, windows: Windows) -> int:
-    from camviz.core.windows import window_starts
-
     size = tuple(batch.shape[2:])
     roi = tuple(min(side, extent) for side, extent in zip(windows.roi_size, size, strict=True))
     return len(window_starts(size, roi, windows.overlap))
@@ -249,33 +281,22 @@ def _window_count(batch: torch.Tensor, windows: Windows) -> int:
 
 def _target(
     output: Any, batch: torch.Tensor, target: Any, categories: list[str]
-) -> tuple[Any, list[Prediction]]:
-    """The score to explain and, for a segmentation output, the explained class; a
-    classifier's target is handed on as it is."""
+) -> tuple[Any, int | None]:
+    """The target to explain and, for a segmentation output (the batch's shape), the class
+    of its explained region; a classifier's target is handed on as it is."""
     if not (isinstance(output, torch.Tensor) and output.shape[2:] == batch.shape[2:]):
-        return target, []
+        return target, None
     predicted = output.argmax(1)[0]
     chosen = class_id(target, categories)
     if chosen is None:
         chosen = _largest_class(predicted, categories)
-    mask = (predicted == chosen).to(output.dtype)
+    mask = predicted == chosen
     if not bool(mask.any()):
         raise CamvizError(
             f"no voxel is predicted as {class_name(categories, chosen)!r}; give another "
             "--target class"
         )
-    score = _region_score(chosen, mask)
-    value = float(score(output)[0])
-    return score, [Prediction(chosen, class_name(categories, chosen), value, None)]
-
-
-def _region_score(class_index: int, mask: torch.Tensor) -> Callable[[Any], torch.Tensor]:
-    """The class's logits summed over the region's voxels, for each row of an output."""
-
-    def score(output: Any) -> torch.Tensor:
-        return (output[:, class_index] * mask.to(output.device)).flatten(1).sum(1)
-
-    return score
+    return Region(chosen, mask), chosen
 
 
 def _largest_class(predicted: torch.Tensor, categories: list[str]) -> int:

@@ -4,6 +4,15 @@ Encoding a PNG or drawing a figure takes about as long as explaining the image, 
 of it (zlib, Agg, numpy) runs without the GIL, so a few threads overlap it with the next
 batch. The queue is bounded: when the writers fall behind, :meth:`Writer.submit` blocks and
 the model waits, instead of results piling up in memory.
+
+Writer threads run torch (the pictures are drawn with it) on one thread each. A torch
+operation on a second Python thread would otherwise start a second OpenMP team; with more
+OpenMP threads than cores, libgomp stops spinning between parallel regions, and every
+parallel region of the model's thread pays for waking its team: a small CNN's training steps
+took 1.5x as long while the tracker's idle writer thread lived (``benchmarks/bench_tracker.py``).
+``torch.set_num_threads`` sets the calling thread's OpenMP team size and also the default of
+threads that start later, so the submitting thread sets that default back once the writers
+have taken theirs.
 """
 
 from __future__ import annotations
@@ -13,6 +22,8 @@ import threading
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
+
+import torch
 
 _STOP = None  # put on the queue once per thread to end it
 
@@ -48,15 +59,25 @@ class Writer:
         """
         self._raise_error()
         if not self._threads:
-            # Started on first use, so that a DataLoader forks its workers before any
-            # thread exists (a fork copies held locks, not the threads that hold them).
-            self._threads = [
-                threading.Thread(target=self._work, name=f"camviz-writer-{number}", daemon=True)
-                for number in range(self._count)
-            ]
-            for thread in self._threads:
-                thread.start()
+            self._start()
         self._jobs.put((job, args))
+
+    def _start(self) -> None:
+        # Started on first use, so that a DataLoader forks its workers before any thread
+        # exists (a fork copies held locks, not the threads that hold them).
+        threads_here = torch.get_num_threads()
+        started = [threading.Event() for _ in range(self._count)]
+        self._threads = [
+            threading.Thread(
+                target=self._work, args=(event,), name=f"camviz-writer-{number}", daemon=True
+            )
+            for number, event in enumerate(started)
+        ]
+        for thread in self._threads:
+            thread.start()
+        for event in started:
+            event.wait()
+        torch.set_num_threads(threads_here)
 
     def close(self) -> None:
         """Wait for every queued job, then raise what a job raised, if anything."""
@@ -93,7 +114,10 @@ class Writer:
             thread.join()
         self._threads = []
 
-    def _work(self) -> None:
+    def _work(self, started: threading.Event) -> None:
+        torch.get_num_threads()  # torch sets a thread's team size on its first use: first
+        torch.set_num_threads(1)  # then this thread's own, which that would overwrite
+        started.set()
         while (entry := self._jobs.get()) is not _STOP:
             job, args = entry
             if self._error is not None:

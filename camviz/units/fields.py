@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from camviz.core.errors import CamvizError
-from camviz.core.modelstate import HookSet, eval_mode, exclusive
+from camviz.core.modelstate import HookSet, eval_mode, exclusive, no_grad
 from camviz.core.taps import parse
 from camviz.units.spots import outputs_at, spatial_view
 
@@ -144,9 +144,10 @@ def receptive_field(
     if how not in ("auto", "analytic", "measured"):
         raise CamvizError(f"how must be 'auto', 'analytic' or 'measured', not {how!r}")
     generator = torch.Generator().manual_seed(0)
-    probe = torch.randn(_MEASURING_INPUTS, *inputs.shape[1:], generator=generator)
-    probe = probe.to(inputs.device)
-    with exclusive(model), eval_mode(model):
+    # Ordinary tensors also in a caller's inference mode: the model may keep what it computes.
+    with torch.inference_mode(False), exclusive(model), eval_mode(model):
+        probe = torch.randn(_MEASURING_INPUTS, *inputs.shape[1:], generator=generator)
+        probe = probe.to(inputs.device)
         chain = None if how == "measured" else _chain(model, probe, layer)
         if chain is not None:
             return chain
@@ -187,7 +188,7 @@ def _chain(model: nn.Module, probe: torch.Tensor, layer: str) -> ReceptiveField 
         end.append((len(steps), output))
 
     target = modules[spot.name]
-    with HookSet() as hooks, torch.no_grad():
+    with HookSet() as hooks, no_grad():
         for module in model.modules():
             if not list(module.children()):
                 hooks.add(module.register_forward_hook(on_call))

@@ -38,7 +38,7 @@ from PIL import Image
 
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import model_device
-from camviz.core.modelstate import eval_mode, exclusive
+from camviz.core.modelstate import eval_mode, exclusive, no_grad
 from camviz.core.precision import Precision, model_precision
 from camviz.core.targets.unit import Unit, parse_channels
 from camviz.io.atomic import atomic_write
@@ -171,7 +171,7 @@ def _channel_count(loaded: LoadedModel, items: Sequence[Item], layer: str) -> in
         except (CamvizError, OSError):
             continue
         inputs = inputs.to(model_device(loaded.model))
-        with exclusive(loaded.model), eval_mode(loaded.model), torch.no_grad():
+        with exclusive(loaded.model), eval_mode(loaded.model), no_grad():
             tensors, _ = outputs_at(loaded.model, inputs, [layer])
         return spatial_view(loaded.model, layer, tensors[layer], inputs).shape[1]
     raise CamvizError("none of the inputs can be read as an image")

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from camviz.core.errors import CamvizError, first_line
 from camviz.core.inputs import model_device
-from camviz.core.modelstate import eval_mode, exclusive
+from camviz.core.modelstate import eval_mode, exclusive, no_grad
 from camviz.core.precision import Precision, model_precision
 from camviz.core.targets.unit import Unit, as_units
 from camviz.io.images import PathLike, Preprocess
@@ -189,7 +189,7 @@ class UnitScan:
             exclusive(self.model),
             eval_mode(self.model),
             model_precision(self.model, self.precision, self.channels_last),
-            torch.no_grad(),
+            no_grad(),
         ):
             tensors, _ = outputs_at(self.model, batch, self._spots)
         views = {spot: spatial_view(self.model, spot, tensors[spot], batch) for spot in tensors}

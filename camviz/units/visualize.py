@@ -36,7 +36,7 @@ from torch import nn
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import model_device
 from camviz.core.layers import default_target_layer
-from camviz.core.modelstate import eval_mode, exclusive
+from camviz.core.modelstate import eval_mode, exclusive, no_grad
 from camviz.core.precision import Precision, model_precision
 from camviz.core.targets import as_logits
 from camviz.core.targets.unit import Unit, as_units
@@ -107,27 +107,28 @@ def visualize_unit(
         CamvizError: A bad argument, a unit of several channels, or a unit that does not
             fit its layer.
     """
-    network, mean, std = _network(model)
     _check(size, steps, lr, batch, diversity, target)
-    device = model_device(network) or torch.device("cpu")
     generator = torch.Generator().manual_seed(seed)
-    image = _SpectralImage(batch, size, generator, device)
-    optimizer = torch.optim.Adam([image.spectrum], lr=lr)
-    objective = _Objective(network, target, size, diversity, device)
-    with (
-        exclusive(network),
-        eval_mode(network),
-        model_precision(network, precision, channels_last),
-        torch.enable_grad(),
-    ):
-        for _ in range(steps):
-            pixels = _moved(image.pixels(), generator)
-            loss = -objective((pixels - mean.to(device)) / std.to(device))
-            (gradient,) = torch.autograd.grad(loss, [image.spectrum])
-            image.spectrum.grad = gradient
-            optimizer.step()
-    with torch.no_grad():
-        return image.pixels().detach().float().cpu()
+    # Ordinary tensors and gradients also in a caller's inference mode (as camviz.explain).
+    with torch.inference_mode(False), torch.enable_grad():
+        network, mean, std = _network(model)
+        device = model_device(network) or torch.device("cpu")
+        image = _SpectralImage(batch, size, generator, device)
+        optimizer = torch.optim.Adam([image.spectrum], lr=lr)
+        objective = _Objective(network, target, size, diversity, device)
+        with (
+            exclusive(network),
+            eval_mode(network),
+            model_precision(network, precision, channels_last),
+        ):
+            for _ in range(steps):
+                pixels = _moved(image.pixels(), generator)
+                loss = -objective((pixels - mean.to(device)) / std.to(device))
+                (gradient,) = torch.autograd.grad(loss, [image.spectrum])
+                image.spectrum.grad = gradient
+                optimizer.step()
+        with no_grad():
+            return image.pixels().detach().float().cpu()
 
 
 def _network(model: nn.Module | LoadedModel) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:

@@ -218,6 +218,9 @@ def class_ids(target: Target, logits: torch.Tensor) -> torch.Tensor:
             f"class id {int(bad[0])} is out of range: the model has {num_classes} classes "
             f"(0..{num_classes - 1})"
         )
+    if ids.is_inference():  # made in a caller's inference mode: the gather saves it
+        with torch.inference_mode(False):
+            ids = ids.clone()
     return ids.long().view(batch, -1)
 
 

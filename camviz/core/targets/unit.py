@@ -67,7 +67,7 @@ class Unit(TargetObject):
         >>> camviz.explain(model, x, layer="layer3", target=camviz.Unit("layer4", channel=7))
 
     Attributes:
-        layer: The layer spot the unit belongs to (``"layer3.1"``, ``"model.22:input"``).
+        layer: The layer spot the unit belongs to (``"layer3.1"``, ``"model.22:input[0][0]"``).
         channel: A channel index, or a list of them (one rank each, in that order).
         neuron: ``(c, *grid_index)``: channel ``c`` at one location of the layer's grid
             (tokens: ``(c, patch_row, patch_col)``).
@@ -322,7 +322,7 @@ def parse_channels(text: str) -> list[int]:
 
 def parse_unit(text: str) -> Unit:
     """A unit from the command line's ``unit:LAYER@CHANNELS`` (``unit:layer3.1@42``,
-    ``unit:model.22:input@0-63``) or ``unit:LAYER@C,I,J`` (a neuron: channel, grid index).
+    ``unit:model.22:input[0][0]@0-15``) or ``unit:LAYER@C,I,J`` (a neuron: channel, grid index).
 
     Raises:
         CamvizError: The text does not read as a unit.

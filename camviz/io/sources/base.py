@@ -95,11 +95,6 @@ class ModelSource(ABC):
         """For a video model, the frames of one clip; ``None``: the default."""
         return None
 
-    def default_layer(self, model: nn.Module) -> str | None:
-        """The layer to explain by default; ``None``: found by a dry run
-        (:func:`camviz.core.layers.default_target_layer`)."""
-        return None
-
 
 def import_extra(module: str, extra: str, purpose: str) -> ModuleType:
     """``module``, imported; if it is not installed, one line naming the extra to install.

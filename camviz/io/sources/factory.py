@@ -96,9 +96,6 @@ class FactorySource(ModelSource):
     def task(self, model: nn.Module) -> Task | None:
         return None if self.adapted is None else self.adapted.task
 
-    def default_layer(self, model: nn.Module) -> str | None:
-        return None if self.adapted is None else self.adapted.default_layer
-
     def _factory(self) -> Callable[..., Any]:
         module = _file_module(Path(self.where)) if self.where.endswith(".py") else self._module()
         factory = getattr(module, self.factory_name, None)

@@ -9,8 +9,13 @@ whole photo is explained, squashed rather than cropped), one that resizes the sh
 keeps the aspect ratio. The config's ``id2label`` names the classes.
 
 The task is told from the model's class: ``...ForImageClassification`` classifies,
-``...ForSemanticSegmentation`` segments (its logits at a quarter of the input for Segformer;
-``...ForObjectDetection``, DETR-style sets of boxes, is refused for now). Dual encoders
+``...ForSemanticSegmentation`` segments (its logits at a quarter of the input for Segformer),
+and so do ``...ForInstanceSegmentation`` and ``...ForUniversalSegmentation`` (MaskFormer,
+Mask2Former: their queries' classes and masks made per-class maps,
+:class:`~camviz.io.sources.hfheads.SemanticLogits`); ``...ForObjectDetection`` (DETR,
+Conditional and Deformable DETR, RT-DETR, YOLOS) detects, its sets of boxes read as
+torchvision's detections on the photo (:class:`~camviz.io.sources.hfheads.SetPredictionDetector`,
+which takes the photo at its own size and resizes it as the processor does). Dual encoders
 (CLIP, SigLIP: models with ``get_image_features``) and bare encoders (``ViTModel``,
 ``Dinov2Model``) answer an image embedding (:class:`ImageEmbedding`), explained against
 another embedding with :class:`camviz.Similarity`.
@@ -19,6 +24,7 @@ another embedding with :class:`camviz.Similarity`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -28,6 +34,7 @@ import torch
 from torch import nn
 
 from camviz.core.errors import CamvizError, first_line
+from camviz.core.placement import AspectResize
 from camviz.io.checkpoints import load_weights
 from camviz.io.sources.base import ModelSource, SourceOptions, import_extra
 
@@ -45,7 +52,13 @@ _TASKS: tuple[tuple[str, Task], ...] = (
     ("ForImageClassification", "classification"),
     ("ForImageClassificationWithTeacher", "classification"),
     ("ForSemanticSegmentation", "segmentation"),
+    ("ForInstanceSegmentation", "segmentation"),
+    ("ForUniversalSegmentation", "segmentation"),
+    ("ForObjectDetection", "detection"),
 )
+
+# Classes whose queries' class scores and masks become per-class maps.
+_MASK_CLASSIFIERS = ("ForInstanceSegmentation", "ForUniversalSegmentation")
 
 
 class HuggingFaceSource(ModelSource):
@@ -65,28 +78,49 @@ class HuggingFaceSource(ModelSource):
         with _quiet(transformers), self._reading("the model"):
             self.config = transformers.AutoConfig.from_pretrained(self.reference)
             model_class = _model_class(transformers, self.config)
-            if model_class.__name__.endswith("ForObjectDetection"):
-                raise CamvizError(
-                    f"{model_class.__name__}: camviz does not explain Hugging Face detectors "
-                    "from --model yet; in Python, explain the model with a camviz.Detection "
-                    "target whose adapter turns its output into boxes"
-                )
             model = model_class.from_pretrained(self.reference)
+        class_name = model_class.__name__
         self.model_task = next(
-            (task for ending, task in _TASKS if model_class.__name__.endswith(ending)),
-            "embedding",
+            (task for ending, task in _TASKS if class_name.endswith(ending)), "embedding"
         )
         if self.options.weights is not None:
             load_weights(model, self.options.weights, self.name)
+        # Not at import: the set-prediction adapter imports torchvision.
+        from camviz.io.sources.hfheads import SemanticLogits, SetPredictionDetector
+
+        if self.model_task == "detection":
+            labels = int(getattr(self.config, "num_labels", 0) or 0)
+            return SetPredictionDetector(model, self._resize(), labels)
+        if class_name.endswith(_MASK_CLASSIFIERS):
+            return SemanticLogits(model)
         return ImageEmbedding(model) if self.model_task == "embedding" else model
 
     def preprocess(self) -> Preprocess:
         from camviz.io.images import Preprocess
 
+        processor = self._processor()
+        if processor is None:
+            # The options give the size; a model of one input size (a ViT's position
+            # embeddings) takes the image squashed to it; a detector resizes inside.
+            fixed = isinstance(getattr(self.config, "image_size", None), int)
+            squashed = fixed and self.model_task != "detection"
+            return Preprocess(mean=(0.0,), std=(1.0,), resize="square" if squashed else "none")
+        preprocess = _processor_preprocess(processor)
+        if self.model_task == "detection":  # the photo at its size: the model resizes it
+            return dataclasses.replace(preprocess, resize="none")
+        return preprocess
+
+    def _processor(self) -> Any:
+        """The image processor saved beside the model; ``None`` when there is none and
+        ``--input-size`` is given.
+
+        Raises:
+            CamvizError: There is no processor, and no ``--input-size``.
+        """
         transformers = import_extra("transformers", "hf", "hf: models")
         try:
             with _quiet(transformers):
-                processor = transformers.AutoImageProcessor.from_pretrained(self.reference)
+                return transformers.AutoImageProcessor.from_pretrained(self.reference)
         except (OSError, ValueError):
             if self.options.input_size is None:
                 raise CamvizError(
@@ -94,11 +128,24 @@ class HuggingFaceSource(ModelSource):
                     "it beside the model (processor.save_pretrained(DIR)), or give "
                     "--input-size, --mean and --std"
                 ) from None
-            # The options give the size; a model of one input size (a ViT's position
-            # embeddings) takes the image squashed to it.
-            fixed = isinstance(getattr(self.config, "image_size", None), int)
-            return Preprocess(mean=(0.0,), std=(1.0,), resize="square" if fixed else "none")
-        return _processor_preprocess(processor)
+            return None
+
+    def _resize(self) -> AspectResize:
+        """A detector's resize, as its processor resizes (``--input-size`` as the shorter
+        side without one)."""
+        processor = self._processor()
+        if processor is None:
+            return AspectResize(shortest=self.options.input_size)
+        size = getattr(processor, "size", None)
+        (fixed, shortest), longest = _size_of(size), _read(size, "longest_edge")
+        if shortest is not None:
+            return AspectResize(shortest=shortest, longest=longest)
+        if fixed is not None:
+            return AspectResize(fixed=(_read(size, "height"), _read(size, "width")))
+        raise CamvizError(
+            f"camviz cannot read the image size of {type(processor).__name__} ({size!r}); "
+            "give --input-size"
+        )
 
     def class_names(self, model: nn.Module) -> list[str] | None:
         if self.model_task == "embedding":
@@ -205,13 +252,16 @@ def _size_of(size: Any) -> tuple[int | None, int | None]:
         return None, None
     if isinstance(size, int):
         return size, None
-
-    def read(key: str) -> Any:
-        return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
-
-    height, width = read("height"), read("width")
+    height, width = _read(size, "height"), _read(size, "width")
     fixed = min(height, width) if height and width else None
-    return fixed, read("shortest_edge")
+    return fixed, _read(size, "shortest_edge")
+
+
+def _read(size: Any, key: str) -> Any:
+    """``key`` of a processor's ``size`` (a dict or a ``SizeDict``; ``None`` if absent)."""
+    if isinstance(size, int) or size is None:
+        return None
+    return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
 
 
 @contextlib.contextmanager

@@ -12,8 +12,9 @@ its ``(N, 4 + classes, anchors)`` predictions are decoded with class-wise NMS (c
 0.25, IoU 0.7, at most 300, Ultralytics' defaults) by
 :class:`~camviz.core.detection.DenseDetections`, and the boxes are mapped back to the photo:
 the model answers torchvision's list of per-image dicts, so each detected object gets its own
-map as for torchvision's detectors. The default layer is the input of the ``Detect`` head (its
-feature levels, fused). A classifier (``-cls``) takes the photo's shorter side at its size,
+map as for torchvision's detectors. The default layer is found from the network's structure,
+as for any model (:mod:`camviz.core.defaults`): the input of the ``Detect`` head, its feature
+levels fused. A classifier (``-cls``) takes the photo's shorter side at its size,
 mean 0 and std 1.
 
 Ultralytics runs with ``YOLO_OFFLINE=1`` and ``YOLO_AUTOINSTALL=False``: it neither downloads
@@ -106,9 +107,6 @@ class UltralyticsSource(ModelSource):
     def task(self, model: nn.Module) -> Task | None:
         return None if self.adapted is None else self.adapted.task
 
-    def default_layer(self, model: nn.Module) -> str | None:
-        return None if self.adapted is None else self.adapted.default_layer
-
     def _built(self) -> nn.Module:
         tasks = import_ultralytics()
         try:
@@ -174,7 +172,6 @@ class Adapted:
     preprocess: Preprocess
     class_names: list[str]
     task: Task
-    default_layer: str | None
 
 
 def adapted(module: object) -> Adapted | None:
@@ -199,7 +196,6 @@ def adapted(module: object) -> Adapted | None:
             Preprocess(size=_CLASSIFY_SIZE, mean=(0.0,), std=(1.0,)),
             names,
             "classification",
-            None,
         )
     if kind not in _BOX_MODELS:
         raise CamvizError(
@@ -212,7 +208,6 @@ def adapted(module: object) -> Adapted | None:
         Preprocess(mean=(0.0,), std=(1.0,), resize="none"),
         names,
         "detection",
-        f"network.model.{_head(network).i}:input",
     )
 
 
