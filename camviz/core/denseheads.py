@@ -157,10 +157,10 @@ class DenseRows:
                     + (y * features[level].shape[-1] + x) * (self.anchors[level])
                 )
                 for key in keys:
-                    outputs.append(replayed[key][0, start:stop])
-                    grad_outputs.append(
-                        weights[key][image, first : first + stop - start].to(replayed[key].dtype)
-                    )
+                    weight = weights[key][image, first : first + stop - start]
+                    if weight.any():  # a branch the score does not read is not walked back
+                        outputs.append(replayed[key][0, start:stop])
+                        grad_outputs.append(weight.to(replayed[key].dtype))
         return torch.autograd.grad(
             outputs, inputs, grad_outputs, retain_graph=retain_graph, allow_unused=True
         )
