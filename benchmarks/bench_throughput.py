@@ -1,27 +1,28 @@
 """Images per second of the folder pipeline against the model's plain inference.
 
-Run by hand (never in the tests)::
+Run by hand (never in the tests), on a quiet machine::
 
     python benchmarks/bench_throughput.py          # 64 images, offline model, batch 16
+    ATEN_CPU_CAPABILITY=avx2 python benchmarks/bench_throughput.py   # PyTorch's AVX2 kernels
     python benchmarks/bench_throughput.py --quick  # 16 images, batch 8: a smoke run
+    python benchmarks/bench_throughput.py --all    # also the maps-only and no-panel variants
 
 The images are crops and mirror images of the shipped photos, all 4:3 (so every batch is
 full), written to a temporary folder. Every variant reads them with the same DataLoader
 settings (``--workers`` processes that decode with :func:`camviz.io.images.load_image` and
 apply the model's preprocessing) and the same batch size:
 
-* ``inference``: the model alone, under ``torch.inference_mode()``;
-* ``explain_dataset``: :func:`camviz.explain_dataset` (Grad-CAM maps, held in memory);
-* ``explain, overlays``: :func:`camviz.pipeline.job.explain_files` writing the overlays and the
-  manifest (``camviz explain --no-panel``);
-* ``explain, overlays + panels``: also the panels (the CLI's default: Pillow, JPEG).
+* ``inference``: the model alone in fp32, under ``torch.inference_mode()``: the reference;
+* ``explain, fp32``: :func:`camviz.pipeline.job.explain_files` with the default outputs
+  (overlay PNG and panel JPEG per image, the manifest), as ``camviz explain FOLDER`` runs;
+* ``explain, bf16 + channels-last``: the same with ``--precision bf16 --channels-last``,
+  where the CPU computes bf16 natively (it is refused where it would only be emulated);
+* with ``--all`` also ``explain_dataset`` (Grad-CAM maps, held in memory) and ``explain,
+  overlays`` (``camviz explain --no-panel``).
 
-``--precision bf16`` and ``--channels-last`` apply to the camviz variants only: plain
-inference stays fp32, the reference of the targets. bf16 is refused on a CPU that only
-emulates it.
-
-Each variant runs once to warm up, then the variants take turns for ``--repeat`` rounds;
-each one's fastest pass counts (the least disturbed by other work on the machine).
+Each variant runs once to warm up, then the variants take turns for ``--repeat`` rounds
+(at least 7); each figure is the median of its rounds. The CPU capability that PyTorch's
+kernels use (``ATEN_CPU_CAPABILITY`` chooses a lower one) is printed with the figures.
 """
 
 from __future__ import annotations
@@ -29,16 +30,20 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset
 
 import camviz
+from camviz.core.errors import CamvizError
+from camviz.core.precision import check_precision
 from camviz.io.images import load_image
 from camviz.pipeline.dataset import explain_dataset
 from camviz.pipeline.job import Outputs, explain_files
@@ -81,8 +86,8 @@ class Preprocessed(Dataset):
         return self.preprocess(load_image(self.paths[index]))
 
 
-def best_rates(variants: dict[str, Callable[[], int]], repeat: int) -> dict[str, float]:
-    """Images per second of each variant's fastest pass.
+def median_rates(variants: dict[str, Callable[[], int]], repeat: int) -> dict[str, float]:
+    """Images per second of each variant, the median of its ``repeat`` passes.
 
     Every variant runs once to warm up; then the variants take turns, ``repeat`` rounds,
     so that a busy spell on the machine does not fall on one variant only.
@@ -95,7 +100,7 @@ def best_rates(variants: dict[str, Callable[[], int]], repeat: int) -> dict[str,
             start = time.perf_counter()
             count = run()
             rates[name].append(count / (time.perf_counter() - start))
-    return {name: max(values) for name, values in rates.items()}
+    return {name: statistics.median(values) for name, values in rates.items()}
 
 
 def main() -> None:
@@ -103,18 +108,27 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--workers", type=int, default=min(4, max(0, (os.cpu_count() or 1) - 1)))
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=7, help="rounds (at least 7)")
     parser.add_argument("--quick", action="store_true", help="16 images, batch 8, one pass")
-    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
-    parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--all", action="store_true", help="also maps only and overlays only")
     parser.add_argument("--threads", type=int, help="torch threads; 1 on a busy machine")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    precision = {"precision": args.precision, "channels_last": args.channels_last}
     if args.quick:
         args.images, args.batch, args.repeat = 16, 8, 1
+    elif args.repeat < 7:
+        parser.error("--repeat must be at least 7: each figure is a median of 7 rounds or more")
     loaded = camviz.io.models.load()
+    reduced: dict[str, Any] = {"precision": "bf16", "channels_last": True}
+    try:
+        check_precision("bf16", torch.device("cpu"), used=True)
+    except CamvizError as refused:
+        print(f"bf16 not measured: {refused}")
+        reduced = {}
+    if torch.backends.cpu.get_cpu_capability() == "AVX2":
+        print("bf16 not measured: ATEN_CPU_CAPABILITY=avx2 stands in for a CPU without it")
+        reduced = {}
     folder = Path(tempfile.mkdtemp(prefix="camviz-bench-"))
     try:
         (folder / "images").mkdir()
@@ -136,16 +150,11 @@ def main() -> None:
 
         def maps() -> int:
             results = explain_dataset(
-                loaded,
-                paths,
-                batch_size=args.batch,
-                workers=args.workers,
-                keep_images=False,
-                **precision,
+                loaded, paths, batch_size=args.batch, workers=args.workers, keep_images=False
             )
             return sum(result.ok for result in results)
 
-        def files(outputs: Outputs) -> Callable[[], int]:
+        def files(outputs: Outputs, **precision: Any) -> Callable[[], int]:
             def run() -> int:
                 shutil.rmtree(out, ignore_errors=True)
                 manifest = explain_files(
@@ -161,21 +170,21 @@ def main() -> None:
 
             return run
 
-        variants = {
-            "inference": inference,
-            "explain_dataset": maps,
-            "explain, overlays": files(Outputs(overlay=True, panel=False)),
-            "explain, overlays + panels": files(Outputs(overlay=True, panel=True)),
-        }
-        rates = best_rates(variants, args.repeat)
+        variants = {"inference": inference, "explain, fp32": files(Outputs())}
+        if reduced:
+            variants["explain, bf16 + channels-last"] = files(Outputs(), **reduced)
+        if args.all:
+            variants["explain_dataset"] = maps
+            variants["explain, overlays"] = files(Outputs(overlay=True, panel=False))
+        rates = median_rates(variants, args.repeat)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
     print(
         f"{loaded.name}, {args.images} images of 400x300 (224x299 after preprocessing), "
         f"batch {args.batch}, {args.workers} DataLoader workers, {torch.get_num_threads()} "
-        f"torch threads, {os.cpu_count()} CPUs, torch {torch.__version__}, camviz in "
-        f"{args.precision}{' + channels-last' if args.channels_last else ''}\n"
+        f"torch threads, {os.cpu_count()} CPUs, torch {torch.__version__}, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, median of {args.repeat} rounds\n"
     )
     print("| variant | images/s | vs inference |")
     print("| --- | --- | --- |")

@@ -46,6 +46,7 @@ _EXPORTS = {
     "RowTarget": "camviz.core.targets:RowTarget",
     "SetPredictions": "camviz.core.setpredictions:SetPredictions",
     "Similarity": "camviz.core.similarity:Similarity",
+    "TextPrompt": "camviz.core.targets.textprompt:TextPrompt",
     "Tokens": "camviz.core.layouts:Tokens",
     "TopK": "camviz.core.targets:TopK",
     "Tracker": "camviz.training.tracker:Tracker",
@@ -138,6 +139,7 @@ if TYPE_CHECKING:
     from camviz.core.targets import RowTarget as RowTarget
     from camviz.core.targets import TopK as TopK
     from camviz.core.targets import Unit as Unit
+    from camviz.core.targets.textprompt import TextPrompt as TextPrompt
     from camviz.debug import edits as edits
     from camviz.debug.extraction import features as features
     from camviz.debug.layerstats import LayerTable as LayerTable

@@ -796,7 +796,8 @@ def test_options_are_read_as_the_method_takes_them():
     from camviz.explorer.session import format_options, parse_options
 
     assert format_options("scorecam") == (
-        "batch_size = None\nweighting = softmax\nmemory_budget = None\neigen_smooth = False"
+        "batch_size = None\nweighting = softmax\nmemory_budget = None\neigen_smooth = False\n"
+        "compile_rest = False"
     )
     text = "batch_size = 8\nweighting = softmax\nmemory_budget = 512MiB, eigen_smooth = true"
     assert parse_options("scorecam", text) == (

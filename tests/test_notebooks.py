@@ -70,13 +70,22 @@ FACTS: dict[str, list[str]] = {
         "explained 1 of 1 inputs -> WORK/cli-scan/manifest.json",
         "did you mean `yolo:WORK/tiny-yolo.pt`",
     ],
+    "08_transformers.ipynb": [
+        "fused attention after the five passes: [True, True, True, True]",
+        "attention_rollout: fused and explicit maps equal: True",
+        "gradient_rollout: fused and explicit maps equal: True",
+        "transformer_attribution: fused and explicit maps equal: True",
+        "fused attention still as it was set: [False, False, False, False]",
+        "layer: vision_model.encoder.layers.1.layer_norm1",
+        "at the photo's size: True",
+    ],
     "09_training.ipynb": [
         "the share of the map on the shape rose: True",
         "steps explained: [0, 10, 19, 20, 30, 38]",
         "probe 0 image logged at steps [0, 10, 19, 20, 30, 38]",
     ],
     "10_units.ipynb": [
-        "300 photos",
+        "200 photos",
         "optimised images above every photo: 4 of 4",
         "explained at blocks.2",
     ],

@@ -42,7 +42,7 @@ from camviz.core.layerkinds import Kind
 from camviz.core.layers import Layer, default_target_layer, patch_token_layers
 from camviz.core.layouts import Layout as LayoutGiven
 from camviz.core.layouts import SpotKinds
-from camviz.core.modelstate import eval_mode, exclusive, uncompiled
+from camviz.core.modelstate import EvalMode, changed, exclusive, uncompiled
 from camviz.core.precision import Precision, check_precision, forward_precision
 from camviz.core.taps import At, spot_keys
 from camviz.core.targets import Target, TargetObject, as_target
@@ -130,10 +130,9 @@ def explain(
     """Explain a batch with a CAM method.
 
     Args:
-        model: Any ``nn.Module``; ``DataParallel``, ``DistributedDataParallel``,
-            ``torch.compile`` and Ultralytics ``YOLO(...)`` wrappers are looked through
-            (layer names are the inner module's). Used in eval mode, and handed back exactly
-            as it came.
+        model: Any ``nn.Module`` (``DataParallel``, ``DistributedDataParallel``,
+            ``torch.compile`` and Ultralytics ``YOLO(...)`` wrappers looked through: layer
+            names are the inner module's), used in eval mode and handed back as it came.
         inputs: The preprocessed batch on the model's device: ``(N, C, L)``, ``(N, C, H, W)``
             or ``(N, C, D, H, W)`` (one ``(C, H, W)`` image for a 2-D image model), a tuple
             passed positionally or a dict passed as keywords (:mod:`camviz.core.inputs`); for
@@ -146,8 +145,8 @@ def explain(
             layer (:func:`camviz.core.layers.default_target_layer`), or the method's own
             (the attention methods: the last block, ``layer=`` the last block read).
         target: What to explain (:mod:`camviz.core.targets`): a class id, ids, ``None`` for
-            the top class (or the output itself when it is one number per sample),
-            ``"top3"``, a ``Region``, ``Contrast``, ``Similarity`` or ``Detection``, or a
+            the top class (or the output itself when one number per sample), ``"top3"``,
+            a ``Region``, ``Contrast``, ``Similarity``, ``TextPrompt`` or ``Detection``, or a
             callable ``output -> (N,)``; one that holds per-input data takes the rows,
             ``(output, rows) -> (R,)`` (:class:`~camviz.core.targets.RowTarget`).
         output_key: For models whose output is a tuple or dict: where the logits are.
@@ -188,7 +187,8 @@ def explain(
     batch = _checked_inputs(cam, inputs, model, map_input, augmented=bool(scales))
     device = batch.main.device
     dtype = check_precision(precision, device, used=cam.reduced_precision)
-    with exclusive(model), eval_mode(model), forward_precision(model, dtype, channels_last, device):
+    state = changed(model, EvalMode(), *chosen.model_changes(model))  # a CLIP: its image tower
+    with exclusive(model), state, forward_precision(model, dtype, channels_last, device):
         chosen = chosen.prepare(model, batch)
         passes = _Passes.of(cam, model, batch, layer, at, layout, output_key, chosen)
         recorded = passes.first(batch, chosen)

@@ -12,6 +12,7 @@ their keyword arguments (:func:`settings_or_keywords`).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
@@ -43,6 +44,9 @@ class ExplainSettings:
             methods' default.
         layout: The ``layout=`` of :func:`camviz.explain` as text (``"channels_last"``,
             ``"tokens[1:197]"``); ``None``: told by the pass.
+        compile_rest: Run the masked passes of Score-CAM, SS-CAM and IS-CAM through
+            ``torch.compile`` (their ``compile_rest`` option); refused for a job whose
+            methods have none of them.
     """
 
     method: str = "gradcam"
@@ -51,6 +55,7 @@ class ExplainSettings:
     channels_last: bool = False
     memory_budget: int | str | None = None
     layout: str | None = None
+    compile_rest: bool = False
 
     def method_options(
         self, model: nn.Module, methods: Sequence[str] | None = None
@@ -62,16 +67,31 @@ class ExplainSettings:
             methods: The methods to run; ``None``: :attr:`method`.
 
         Raises:
-            CamvizError: An unknown method, a bad memory budget, or a precision the model's
-                device does not compute natively (for a method that uses it).
+            CamvizError: An unknown method, a bad memory budget, a precision the model's
+                device does not compute natively (for a method that uses it), or
+                ``compile_rest`` for methods that do not compile their passes.
         """
         classes = [get(name) for name in (methods if methods is not None else [self.method])]
+        compiling = [c for c in classes if _takes(c, "compile_rest")]
+        if self.compile_rest and not compiling:
+            raise CamvizError(
+                f"compile_rest (--compile) compiles the masked passes of scorecam, sscam and "
+                f"iscam; {', '.join(c.name for c in classes)} has none: leave it out"
+            )
         device = model_device(model) or torch.device("cpu")
         check_precision(self.precision, device, used=any(c.reduced_precision for c in classes))
         common: dict[str, Any] = {"precision": self.precision, "channels_last": self.channels_last}
         if self.layout is not None:
             common["layout"] = self.layout
-        return {c.name: {**common, **budget_option(c, self.memory_budget)} for c in classes}
+        compiled = {"compile_rest": True} if self.compile_rest else {}
+        return {
+            c.name: {
+                **common,
+                **budget_option(c, self.memory_budget),
+                **(compiled if c in compiling else {}),
+            }
+            for c in classes
+        }
 
     def forward_dtype(self, device: torch.device) -> torch.dtype | None:
         """The autocast dtype of a plain pass of the model for :attr:`method` (``None``:
@@ -106,6 +126,11 @@ def settings_or_keywords(settings: Settings | None, keywords: Settings) -> Setti
             f"pass either settings= or keyword arguments, not both (given: {', '.join(given)})"
         )
     return settings
+
+
+def _takes(method: type, option: str) -> bool:
+    """Whether ``method``'s constructor takes ``option``."""
+    return option in inspect.signature(method).parameters
 
 
 def _same(value: object, default: object) -> bool:

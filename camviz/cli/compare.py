@@ -7,6 +7,7 @@ import sys
 
 from camviz.cli.options import (
     MAX_STEPS,
+    add_compile_option,
     add_layout_option,
     add_memory_budget_option,
     add_model_options,
@@ -46,6 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_precision_options(parser)
     add_memory_budget_option(parser)
+    add_compile_option(parser)
     add_layout_option(parser)
     parser.set_defaults(run=run)
 

@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from camviz.cli.options import (
+    add_compile_option,
     add_layout_option,
     add_memory_budget_option,
     add_model_options,
@@ -53,6 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_batches(parser)
     add_precision_options(parser)
     add_memory_budget_option(parser)
+    add_compile_option(parser)
     add_layout_option(parser)
     _add_task_options(parser)
     _add_volume_options(parser)
@@ -136,6 +138,16 @@ def _add_what_to_explain(parser: argparse.ArgumentParser) -> None:
         metavar="IMAGE",
         help="explain why each input looks like IMAGE to an embedding model (the cosine "
         "similarity of their outputs) instead of a class; --target is then ignored",
+    )
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="explain why each input matches TEXT to a CLIP-like model (--model hf:DIR of a "
+        "CLIPModel or SiglipModel saved with its tokenizer): the cosine similarity of the "
+        "image's and the text's embeddings; repeat for several texts, one map each "
+        "(NAME_rank1_... for the first --prompt, and so on)",
     )
     parser.add_argument("--method", default="gradcam", help="CAM method (see `camviz methods`)")
 
@@ -289,6 +301,8 @@ def _settings(args: argparse.Namespace, loaded: LoadedModel) -> JobSettings:
         shared["layer"] = shared["layer"] or _layer_before(target, loaded)
     if args.similar_to is not None:
         target = _similarity(args.similar_to, loaded)
+    if args.prompt is not None:
+        target = _prompt(args, loaded)
     return JobSettings(
         **shared,
         method=args.method,
@@ -338,6 +352,27 @@ def _similarity(path: str, loaded: object) -> object:
 
     reference = loaded.preprocess(load_image(path))  # type: ignore[attr-defined]
     return Similarity(reference.unsqueeze(0), name=os.path.basename(path))
+
+
+def _prompt(args: argparse.Namespace, loaded: LoadedModel) -> object:
+    """The TextPrompt target of ``--prompt``, checked against the model and the options."""
+    from camviz.core.errors import CamvizError
+    from camviz.core.targets.textprompt import TextPrompt, dual_encoder
+
+    if args.similar_to is not None or args.target != "top1":
+        given = "--similar-to" if args.similar_to is not None else "--target"
+        raise CamvizError(f"--prompt and {given} both say what to explain; give one of them")
+    if dual_encoder(loaded.model) is None:
+        raise CamvizError(
+            f"--prompt needs a CLIP-like model with a text tower (a CLIPModel or SiglipModel "
+            f"as --model hf:DIR); {loaded.name} has none"
+        )
+    if getattr(loaded.model, "tokenizer", None) is None:
+        raise CamvizError(
+            f"--prompt needs the model's tokenizer, and {loaded.name} has none saved beside it; "
+            "save it into the model's folder (tokenizer.save_pretrained(DIR))"
+        )
+    return TextPrompt(args.prompt)
 
 
 def _report(manifest: dict, out: str) -> None:

@@ -124,29 +124,8 @@ class Detection(TargetObject):
                     zip(found, references, labels, strict=True)
                 )
             ]
-        scores = []
-        for rank in range(_rank_count(self.index, self.box)):
-            indices = [chosen[rank] for chosen in picked]
-            pairs = list(zip(found, indices, strict=True))
-            boxes = _stacked([detections["boxes"][i] for detections, i in pairs], (0, 4))
-            classes = _stacked([detections["labels"][i] for detections, i in pairs], (0,))
-            reference = (
-                boxes
-                if references is None
-                else _stacked([per_image[rank] for per_image in references], (0, 4))
-            )
-            scores.append(
-                DetectionScore(
-                    boxes=boxes.detach(),
-                    labels=classes.long(),
-                    reference=reference.detach().to(boxes.dtype),
-                    indices=torch.tensor(indices, dtype=torch.long),
-                    iou=float(self.iou),
-                    with_box=self.with_box,
-                    read=self._reader(output_key),
-                )
-            )
-        return _resolved(scores)
+        ranks = _rank_count(self.index, self.box)
+        return objects(found, picked, self.reader(output_key), self, references, ranks)
 
     def follow(self, change: Change) -> TargetObject:
         """The objects of the plain pass, followed by class and box in the changed input."""
@@ -158,9 +137,10 @@ class Detection(TargetObject):
         self, output: Any, output_key: str | int | None = None
     ) -> list[Mapping[str, torch.Tensor]]:
         """The model output as one dict of ``boxes``, ``scores`` and ``labels`` per image."""
-        return self._reader(output_key)(output)
+        return self.reader(output_key)(output)
 
-    def _reader(self, output_key: str | int | None) -> _Reader:
+    def reader(self, output_key: str | int | None) -> _Reader:
+        """Model outputs -> one dict of detections per image (see :meth:`detections`)."""
         return _Reader(self.adapter, output_key)
 
     def _references(
@@ -189,6 +169,48 @@ class Detection(TargetObject):
             )
         device = found[0]["boxes"].device if found else None
         return [b.to(device) for b in box], [lab.to(device) for lab in label]
+
+
+def objects(
+    found: Sequence[Mapping[str, torch.Tensor]],
+    picked: Sequence[Sequence[int]],
+    read: Callable[[Any], list[Mapping[str, torch.Tensor]]],
+    detection: Detection,
+    references: list[torch.Tensor] | None = None,
+    ranks: int | None = None,
+) -> Resolved:
+    """The detections ``picked[n]`` (one index per rank) of each image ``n`` of ``found``,
+    scored as ``detection`` says against ``references`` (default: their own boxes), in
+    ``ranks`` ranks (default: the most an image picks). An image that picks fewer (a folder
+    job's batch) is padded: label ``-1``, which no re-run finds, a zero box, score 0."""
+    scores = []
+    for rank in range(ranks or max((len(chosen) for chosen in picked), default=1)):
+        indices = [chosen[rank] if rank < len(chosen) else -1 for chosen in picked]
+        pairs = list(zip(found, indices, strict=True))
+        boxes = _stacked([_field(one, "boxes", i) for one, i in pairs], (0, 4))
+        labels = _stacked([_field(one, "labels", i) for one, i in pairs], (0,))
+        reference = boxes
+        if references is not None:
+            reference = _stacked([per_image[rank] for per_image in references], (0, 4))
+        score = DetectionScore(
+            boxes=boxes.detach(),
+            labels=labels.long(),
+            reference=reference.detach().to(boxes.dtype),
+            indices=torch.tensor(indices, dtype=torch.long),
+            iou=float(detection.iou),
+            with_box=detection.with_box,
+            read=read,
+        )
+        scores.append(score)
+    return _resolved(scores)
+
+
+def _field(detections: Mapping[str, torch.Tensor], name: str, index: int) -> torch.Tensor:
+    """Detection ``index``'s box or label; for ``-1`` (padding), a zero box or label -1."""
+    values = detections[name]
+    if index >= 0:
+        return values[index]
+    return values.new_zeros(4) if name == "boxes" else values.new_tensor(-1)
 
 
 @dataclass(frozen=True)
@@ -228,9 +250,9 @@ class DetectionScore:
         boxes: ``(N, 4)`` the object's box in the plain pass.
         labels: ``(N,)`` its class.
         reference: ``(N, 4)`` the box that ``with_box`` measures the IoU against.
-        indices: ``(N,)`` its index in the plain pass's detections; ``None`` when the
-            object is followed in every output, the plain one included (see
-            :class:`Followed`).
+        indices: ``(N,)`` its index in the plain pass's detections (``-1``: none, a padded
+            rank, see :func:`objects`); ``None`` when the object is followed in every
+            output, the plain one included (see :class:`Followed`).
         iou: The least IoU of a match in a re-run output.
         with_box: Add the IoU with ``reference`` to the class score.
         read: The model output -> one dict of detections per row.
@@ -250,7 +272,8 @@ class DetectionScore:
         scores = []
         for row, (image, detections) in enumerate(zip(rows_list, found, strict=True)):
             if rows is None and self.indices is not None:
-                index: int | None = int(self.indices[image])
+                picked = int(self.indices[image])
+                index: int | None = None if picked < 0 else picked  # -1: a padded rank
             else:
                 index = _best_match(detections, self.boxes[image], self.labels[image], self.iou)
             scores.append(self._score(detections, index, image, row))

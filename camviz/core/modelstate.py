@@ -14,7 +14,9 @@ undone too, since what it will restore is saved before it starts). The changes c
 * :class:`DetectorInputSize` - the sizes a torchvision detector resizes its images to
   (:func:`camviz.models.with_input_size`);
 * :class:`Attributes` - given attributes of given modules set to given values (a detector's
-  score threshold in a folder job).
+  score threshold in a folder job);
+* :class:`ForwardAs` - the model called through another of its methods (a CLIP model's
+  ``get_image_features``, for a :class:`~camviz.core.targets.textprompt.TextPrompt`).
 
 The passes camviz runs of a model without a gradient (dry runs, layer shapes, perturbed
 copies, metrics, sanity checks) go through :func:`no_grad`, never ``torch.inference_mode``:
@@ -268,8 +270,46 @@ class DetectorInputSize(_SetAttributes):
         return settings
 
 
+#: What :class:`ForwardAs` saves when the model had no ``forward`` of its own instance.
+_NO_OWN_FORWARD = object()
+
+
+@dataclass(frozen=True)
+class ForwardAs(ModelChange):
+    """The model's calls run its method ``method`` instead of ``forward``, and answer that
+    output's ``key`` when it is no tensor: a CLIP model, whose ``forward`` needs text as well
+    as pixels, answers ``get_image_features(x).pooler_output``, its image embedding.
+
+    Set as an attribute of the instance, so ``model(x)`` still runs its hooks (camviz's
+    and the user's) and its layer names stay; the class's ``forward`` is untouched, and
+    the instance comes back with no ``forward`` of its own (or with the one it had).
+    """
+
+    method: str
+    key: str | None = None
+
+    def save(self, model: nn.Module) -> Any:
+        return model.__dict__.get("forward", _NO_OWN_FORWARD)
+
+    def apply(self, model: nn.Module, saved: Any) -> None:
+        method, key = getattr(model, self.method), self.key
+
+        # Named ``forward``: what raises inside is the model's (core.inputs.run_model).
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            output = method(*args, **kwargs)
+            return output if key is None or isinstance(output, torch.Tensor) else output[key]
+
+        model.__dict__["forward"] = forward
+
+    def restore(self, model: nn.Module, saved: Any) -> None:
+        if saved is _NO_OWN_FORWARD:
+            model.__dict__.pop("forward", None)
+        else:
+            model.__dict__["forward"] = saved
+
+
 # Channels-last memory formats by tensor rank: images (N, C, H, W) and volumes (N, C, D, H, W).
-_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+CHANNELS_LAST_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
 @dataclass
@@ -313,8 +353,8 @@ class ForwardPrecision(ModelChange):
                 saved.autocasts.append(context)
             if self.channels_last:
                 args = tuple(
-                    arg.contiguous(memory_format=_CHANNELS_LAST[arg.dim()])
-                    if isinstance(arg, torch.Tensor) and arg.dim() in _CHANNELS_LAST
+                    arg.contiguous(memory_format=CHANNELS_LAST_FORMATS[arg.dim()])
+                    if isinstance(arg, torch.Tensor) and arg.dim() in CHANNELS_LAST_FORMATS
                     else arg
                     for arg in args
                 )

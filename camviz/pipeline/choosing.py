@@ -8,20 +8,21 @@ pass and the backward run as for the others, and its map is dropped by the job.
 
 * :class:`PredictedRegion`: each sample's region predicted as its class (the class named, or
   its largest one but the background), one batch in one call whatever the classes;
-* :class:`DetectedObjects`: the objects of one image scored at least ``min_score`` (of the
-  class named), at most ``max_objects``, one map each (a detector's images are explained
-  one at a time: each image has its own number of objects).
+* :class:`DetectedObjects`: each image's objects scored at least ``min_score`` (of the class
+  named), at most ``max_objects``, one map each, one batch in one call (an image with fewer
+  objects than another has padded ranks, whose maps are dropped).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from camviz.core.detection import Detection
+from camviz.core.detection import Detection, objects
 from camviz.core.errors import CamvizError
 from camviz.core.targets import (
     Change,
@@ -89,9 +90,14 @@ class PredictedRegion(TargetObject):
 
 @dataclass(frozen=True, eq=False)
 class DetectedObjects(TargetObject):
-    """One image's detections scored at least ``options.min_score`` (of class ``label``, if
-    given), at most ``options.max_objects``, best first: ``Detection(kept)``, chosen in the
-    pass.
+    """Each image's detections scored at least ``options.min_score`` (of class ``label``,
+    if given), at most ``options.max_objects``, best first, chosen in the pass: one map each,
+    a whole batch in one call.
+
+    Images of a batch keep different numbers of objects: the call has as many ranks as
+    the image with the most, and an image's extra ranks are padding (label ``-1``, no map
+    kept: :func:`camviz.core.detection.objects`). An image with none says why
+    (:attr:`~camviz.core.targets.Resolved.reasons`).
 
     Attributes:
         label: The class explained; ``None``: any.
@@ -104,30 +110,35 @@ class DetectedObjects(TargetObject):
     options: TaskOptions
 
     def resolve(self, output: Any, context: Context) -> Resolved:
-        read = Detection(0).detections
-        found = read(output, context.output_key)
-        if len(found) != 1:
-            raise CamvizError(f"DetectedObjects explains one image at a time, not {len(found)}")
-        kept = kept_detections(found[0], self.label, self.options)
-        if kept:
-            return Detection(kept).resolve(output, context)
-        reason = no_object_reason(self.label, self.categories, self.options)
+        detection = Detection(0)
+        read = detection.reader(context.output_key)
+        found = read(output)
+        kept = [kept_detections(image, self.label, self.options) for image in found]
+        reasons = _reasons(
+            [
+                None if chosen else no_object_reason(self.label, self.categories, self.options)
+                for chosen in kept
+            ]
+        )
+        if any(kept):
+            chosen = objects(found, kept, read, detection)
+            return dataclasses.replace(chosen, reasons=reasons)
         return Resolved(
             (_NoObject(context.output_key),),
-            torch.full((1, 1), -1),
-            (reason,),
-            torch.zeros(1, 1, 4),
+            torch.full((len(found), 1), -1),
+            reasons,
+            torch.zeros(len(found), 1, 4),
         )
 
     def follow(self, change: Change) -> TargetObject:
-        if change.plain.reasons is not None:
-            return _Fixed(change.plain)
+        if change.plain.class_ids is not None and bool((change.plain.class_ids < 0).all()):
+            return _Fixed(change.plain)  # nothing to explain anywhere: nothing to follow
         return Detection(0).follow(change)
 
 
 @dataclass(frozen=True)
 class _NoObject:
-    """The score of an image with no object to explain: 0, kept in the graph."""
+    """The score of a batch with no object to explain: 0, kept in the graph."""
 
     output_key: str | int | None
 
@@ -156,9 +167,9 @@ def _reasons(reasons: list[str | None]) -> tuple[str | None, ...] | None:
 def groups(
     task: Task, count: int, target: Target, categories: Sequence[str], options: TaskOptions
 ) -> list[Group]:
-    """How a batch of ``count`` samples is explained, its choices made in the pass: a
-    segmentation batch in one call (:class:`PredictedRegion`), a detector's images one call
-    each (:class:`DetectedObjects`), any other batch in one call with the user's target.
+    """How a batch of ``count`` samples is explained, its choices made in the pass: in one
+    call, with :class:`PredictedRegion` for segmentation, :class:`DetectedObjects` for
+    detection, the user's target for any other task.
 
     Raises:
         CamvizError: The target names no class of the model (segmentation, detection).
@@ -167,6 +178,5 @@ def groups(
     if task == "segmentation":
         return [Group(everyone, PredictedRegion(class_id(target, categories), categories))]
     if task == "detection":
-        chosen = DetectedObjects(class_id(target, categories), categories, options)
-        return [Group([position], chosen) for position in everyone]
+        return [Group(everyone, DetectedObjects(class_id(target, categories), categories, options))]
     return [Group(everyone, target)]

@@ -124,7 +124,10 @@ def results_of(
         explanation: Their :class:`~camviz.cams.engine.Explanation`.
         logits: The model's class scores for them, ``(N, classes)``; ``(N, 0)`` when the
             output holds none (a detector's detections).
-        boxes: A detector's explained boxes, one per map, in order (else empty).
+        boxes: A detector's explained boxes, one per map, in order (else empty); a map of
+            class ``-1`` among them is a rank padded for the batch (an image with fewer
+            objects than another, :class:`~camviz.pipeline.choosing.DetectedObjects`) and
+            is dropped.
         categories: The model's class names.
         items: The dataset's items, when it is made of paths.
         share: Each sample's share of the batch's time, in seconds.
@@ -149,7 +152,11 @@ def results_of(
         if not finite[position]:
             results.append(failed(sample, _NOT_FINITE, items))
             continue
-        rows = range(position * ranks, (position + 1) * ranks)
+        rows = [
+            row
+            for row in range(position * ranks, (position + 1) * ranks)
+            if not (boxes and targets[row] < 0)  # a detection rank padded for the batch
+        ]
         explained = [
             Prediction(
                 id=targets[row],
@@ -160,7 +167,7 @@ def results_of(
                     if probabilities is not None and targets[row] >= 0
                     else None
                 ),
-                box=boxes[row - rows.start] if boxes else None,
+                box=boxes[row] if boxes else None,
             )
             for row in rows
         ]
@@ -186,7 +193,7 @@ def results_of(
                 image=_image(sample.original),
                 frames=_frames(sample.original),
                 size=sample.size,
-                heatmaps=heatmaps[rows.start : rows.stop].clone(),
+                heatmaps=heatmaps[rows].clone(),
                 explained=explained,
                 top=top,
                 seconds=sample.seconds + share,

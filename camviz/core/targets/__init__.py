@@ -17,6 +17,8 @@ A *target* turns the model's output into one score per sample (and per rank, for
   or the classes :class:`Nearest` to ``a``);
 * :class:`~camviz.core.similarity.Similarity` - the cosine similarity of an embedding with a
   reference;
+* :class:`~camviz.core.targets.textprompt.TextPrompt` - the cosine similarity of a CLIP-like
+  model's image embedding with the embedding of each of its texts, one map per text;
 * a callable ``output -> (N,)`` scores - anything else (a detection score, a regression
   output), or a :class:`RowTarget` ``(output, rows) -> (R,)`` scores (below).
 

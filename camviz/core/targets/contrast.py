@@ -7,12 +7,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from camviz.core.errors import CamvizError
 from camviz.core.targets.classes import ClassIds, ClassScore, TopK, nearest_classes
 from camviz.core.targets.protocol import Change, Context, Resolved, ScoreFn, TargetObject
 
 if TYPE_CHECKING:
+    from camviz.core.inputs import Inputs
+    from camviz.core.modelstate import ModelChange
     from camviz.core.targets.convert import Target
 
 
@@ -69,6 +72,17 @@ class Contrast(TargetObject):
         return _first(self.a).cannot_move or (
             None if _is_reference(self.b) else _first(self.b).cannot_move
         )
+
+    def model_changes(self, model: nn.Module) -> tuple[ModelChange, ...]:
+        # Both sides score the same call of the model; a change they share is made once.
+        changes = _first(self.a).model_changes(model) + _first(self.b).model_changes(model)
+        return tuple(dict.fromkeys(changes))
+
+    def prepare(self, model: nn.Module, inputs: Inputs) -> Contrast:
+        """Both sides ready for the passes (a text prompt embeds its texts); ``b`` given as
+        classes stays as it is."""
+        b = self.b if _is_reference(self.b) else _first(self.b).prepare(model, inputs)
+        return Contrast(_first(self.a).prepare(model, inputs), b, self.alpha)
 
     def resolve(self, output: Any, context: Context) -> Resolved:
         first = _first(self.a).resolve(output, context)

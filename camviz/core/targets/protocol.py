@@ -8,7 +8,11 @@ A target kind is one class that implements :class:`TargetObject`:
   -> a :class:`Resolved`: one score function per rank, the class ids and, per sample, why
   there is nothing to explain;
 * :meth:`~TargetObject.follow` - the target of a later pass (a re-run, an augmented input),
-  given how that pass differs (:class:`Change`): fixed class ids, detections followed by box.
+  given how that pass differs (:class:`Change`): fixed class ids, detections followed by box;
+* :meth:`~TargetObject.model_changes` - how the model must be called for this score, as
+  temporary changes the engine makes for the explanation (a text prompt,
+  :class:`~camviz.core.targets.textprompt.TextPrompt`, calls a CLIP model's
+  ``get_image_features``).
 
 A target may ask for extra layer spots to be recorded in the pass (:attr:`TargetObject.spots`);
 ``resolve`` then finds their tensors in :attr:`Context.spots`. Kinds that want the defaults of
@@ -26,6 +30,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from camviz.core.inputs import Inputs
+    from camviz.core.modelstate import ModelChange
 
 ScoreFn = Callable[..., torch.Tensor]
 """``fn(output, rows=None) -> (R,)`` scores of the ``R`` rows of a model output."""
@@ -128,6 +133,12 @@ class TargetObject(Protocol):
     spots: tuple[str, ...] = ()
     picks_classes: bool = False
     cannot_move: str | None = None
+
+    def model_changes(self, model: nn.Module) -> tuple[ModelChange, ...]:
+        """The temporary changes (:mod:`camviz.core.modelstate`) under which ``model``'s
+        calls answer what this target scores; made before :meth:`prepare`, undone at the end
+        of the explanation."""
+        return ()
 
     def prepare(self, model: nn.Module, inputs: Inputs) -> TargetObject:
         """The target ready for passes of ``model`` on ``inputs`` (the model in eval mode)."""

@@ -18,7 +18,8 @@ torchvision's detections on the photo (:class:`~camviz.io.sources.hfheads.SetPre
 which takes the photo at its own size and resizes it as the processor does). Dual encoders
 (CLIP, SigLIP: models with ``get_image_features``) and bare encoders (``ViTModel``,
 ``Dinov2Model``) answer an image embedding (:class:`ImageEmbedding`), explained against
-another embedding with :class:`camviz.Similarity`.
+another embedding with :class:`camviz.Similarity`; a dual encoder carries the tokenizer
+saved beside it, so that :class:`camviz.TextPrompt` explains it against texts.
 """
 
 from __future__ import annotations
@@ -93,7 +94,10 @@ class HuggingFaceSource(ModelSource):
             return SetPredictionDetector(model, self._resize(), labels)
         if class_name.endswith(_MASK_CLASSIFIERS):
             return SemanticLogits(model)
-        return ImageEmbedding(model) if self.model_task == "embedding" else model
+        if self.model_task != "embedding":
+            return model
+        texts = hasattr(model, "get_text_features")
+        return ImageEmbedding(model, _tokenizer(transformers, self.reference) if texts else None)
 
     def preprocess(self) -> Preprocess:
         from camviz.io.images import Preprocess
@@ -185,11 +189,15 @@ class ImageEmbedding(nn.Module):
 
     Attributes:
         model: The Hugging Face model.
+        tokenizer: A dual encoder's tokenizer, saved beside it, which a
+            :class:`~camviz.core.targets.textprompt.TextPrompt` finds here; ``None`` for
+            other models, or when the folder holds none.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, tokenizer: Any = None) -> None:
         super().__init__()
         self.model = model
+        self.tokenizer = tokenizer
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         model: Any = self.model
@@ -203,6 +211,21 @@ class ImageEmbedding(nn.Module):
         if isinstance(pooled, torch.Tensor):
             return pooled.flatten(1)
         return output.last_hidden_state.mean(dim=1)
+
+
+def _tokenizer(transformers: ModuleType, reference: str) -> Any:
+    """The tokenizer saved with a dual encoder, or ``None`` when there is none: the model
+    still explains images against image embeddings, and a text prompt says what is missing.
+
+    Without tokenizer files, transformers builds the config's tokenizer class with no
+    vocabulary but its special tokens, which would encode every prompt alike; that is none.
+    """
+    try:
+        with _quiet(transformers):
+            tokenizer = transformers.AutoTokenizer.from_pretrained(reference)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return tokenizer if len(tokenizer) > len(set(tokenizer.all_special_tokens)) else None
 
 
 def _model_class(transformers: ModuleType, config: Any) -> Any:
