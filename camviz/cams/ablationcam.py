@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from contextlib import nullcontext
 from functools import partial
 from typing import Literal
 
@@ -13,6 +14,7 @@ from camviz.cams.base import LayerData
 from camviz.cams.perturbation import PerturbationMethod, rank_scores
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
+from camviz.core.heldpasses import HeldDetector
 from camviz.core.modelstate import no_grad
 from camviz.core.taps import edit_spots
 
@@ -52,6 +54,14 @@ class AblationCAM(PerturbationMethod):
     measured on the first pass (:class:`~camviz.cams.perturbation.Chunks`; a detector's
     heads need far more per copy than the copy itself).
 
+    A torchvision detector (Faster, Mask and Keypoint R-CNN, RetinaNet, FCOS, SSD) explained
+    at a layer of its backbone takes the copies through hooks that hold its image size and,
+    for an R-CNN, the region proposals of the explained detections
+    (:mod:`camviz.core.heldpasses`): only what follows the layer runs on the copies, and the
+    RoI heads score one row per object and copy. Each ablated score is the whole network's
+    with those proposals, where before the copies went through the whole network and the
+    region proposal network proposed anew for each.
+
     The first chunk also carries an unablated copy, which must reproduce the score of the
     plain forward pass; if it does not, or the later layers reject the batch (a
     ``torch.cat`` with an earlier tensor, an in-place update of one), the method warns and
@@ -87,6 +97,8 @@ class AblationCAM(PerturbationMethod):
     # (y - y_k) / y from bf16 scores keeps 8 bits of each: the map's correlation with the
     # fp32 map fell to 0.40 on a ResNet-50 (benchmarks/bench_precision.py), so it stays fp32.
     reduced_precision = False
+    # The detector hooks of the last layer, and what they were made for (_held_detector).
+    _held: tuple[tuple[object, ...], HeldDetector] | None = None
 
     def rank_weights(self, ranks: Sequence[LayerData]) -> list[torch.Tensor]:
         with no_grad():
@@ -111,22 +123,27 @@ class AblationCAM(PerturbationMethod):
         batch, channels = data.activations.shape[:2]
         scores = data.activations.new_empty(len(ranks), batch, channels)
         every = torch.arange(channels, device=data.activations.device)
-        # The first pass checks the shortcut (one channel, or a whole chunk of batch_size,
-        # and the unablated row) and measures what its copies cost.
+        held = self._held_detector(data, ranks)
+        mode: _Mode = "broadcast" if held is None else "held"
         chunks = self.chunks(data.inputs)
+        # The first pass (of each sample, for a detector whose proposals are held per
+        # sample) checks the shortcut (one channel, or a whole chunk of batch_size, and the
+        # unablated row) and measures what its copies cost.
         first = every[: self.batch_size or 1]
-        checked, reason = chunks.measured(
-            len(first) + 1, partial(_checked_broadcast, data, ranks, 0, first)
-        )
-        mode: _Mode = "broadcast" if checked is not None else "copies"
-        if checked is not None:
-            scores[:, 0, first] = checked.to(scores.dtype)
-        else:
-            chunks = self.chunks(data.inputs)  # a whole-network copy costs more: measure it
+        reason = ""
         try:
             for sample in range(batch):
-                todo = every[len(first) :] if sample == 0 and mode == "broadcast" else every
-                ablate = partial(_ablated_pass, data, ranks, mode, sample)
+                todo = every
+                if mode == "held" or (mode == "broadcast" and sample == 0):
+                    check = partial(_checked_pass, data, ranks, mode, held, sample, first)
+                    checked, reason = chunks.measured(len(first) + 1, check)
+                    if checked is None:
+                        mode = "copies"
+                        chunks = self.chunks(data.inputs)  # a whole-network copy costs more
+                    else:
+                        scores[:, sample, first] = checked.to(scores.dtype)
+                        todo = every[len(first) :]
+                ablate = partial(_ablated_pass, data, ranks, mode, held, sample)
                 for chunk, ablated in chunks.split(todo, ablate):
                     scores[:, sample, chunk] = ablated.to(scores.dtype)  # bf16 under autocast
         except _BROADCAST_FAILURES as error:
@@ -134,15 +151,29 @@ class AblationCAM(PerturbationMethod):
             # happens to have as many rows, and fails on the next one.
             mode, reason = "batch", _failure(error)
             for channel in every:
-                scores[:, :, channel] = _ablated_pass(data, ranks, mode, 0, channel[None])
-        if mode != "broadcast":
+                scores[:, :, channel] = _ablated_pass(data, ranks, mode, None, 0, channel[None])
+        if mode in _FALLBACKS:
             message = _FALLBACKS[mode].format(layer=data.layer, reason=reason)
             warnings.warn(message, RuntimeWarning, stacklevel=3)  # from rank_weights' caller
         return scores
 
+    def _held_detector(self, data: LayerData, ranks: Sequence[LayerData]) -> HeldDetector | None:
+        """The hooks for a torchvision detector at this layer (``None``: not one), sharing
+        the proposals held at another layer of the same pass (the same inputs and scores:
+        the levels of a feature pyramid), so that each sample's are found once."""
+        held = HeldDetector.of(data.model, data.layer)
+        if held is None:
+            return None
+        source = (data.model, data.inputs, *(rank.score_fn for rank in ranks))
+        kept = self._held
+        if kept is not None and [id(part) for part in kept[0]] == [id(part) for part in source]:
+            held.proposals = kept[1].proposals
+        self._held = (source, held)
+        return held
+
 
 # How a pass runs the network (see _ablated_pass), and the warning of each fallback.
-_Mode = Literal["broadcast", "copies", "batch"]
+_Mode = Literal["broadcast", "held", "copies", "batch"]
 _FALLBACKS = {
     "copies": "ablationcam: the layers after {layer!r} do not take a batch of ablated copies "
     "of one sample ({reason}); re-running the whole network per channel instead",
@@ -155,6 +186,7 @@ def _ablated_pass(
     data: LayerData,
     ranks: Sequence[LayerData],
     mode: _Mode,
+    held: HeldDetector | None,
     sample: int,
     channels: torch.Tensor,
 ) -> torch.Tensor:
@@ -162,7 +194,9 @@ def _ablated_pass(
 
     A channel of ``-1`` zeroes nothing. ``"broadcast"``: the layers before the target run
     on sample ``sample`` (the model's other inputs, if any, come as ``R`` copies) and its
-    ``(1, ...)`` layer output becomes ``R`` ablated copies. ``"copies"``: the whole network
+    ``(1, ...)`` layer output becomes ``R`` ablated copies. ``"held"``: the same for a
+    torchvision detector given ``R`` copies of the image, ``held``'s hooks holding its image
+    size and (R-CNN) proposals (:mod:`camviz.core.heldpasses`). ``"copies"``: the whole network
     runs on ``R`` copies of the sample. ``"batch"``: the whole network runs on the batch as
     given, the one channel in ``channels`` zeroed in every sample (``R`` is the batch size),
     for a model that takes no other batch.
@@ -173,8 +207,11 @@ def _ablated_pass(
         channels = channels.expand(len(inputs))
     else:
         single = data.inputs[sample : sample + 1]
-        repeat = mode == "copies"
-        inputs = single.repeat(len(channels), *[1] * (single.dim() - 1)) if repeat else single
+        inputs = single
+        if mode == "copies":
+            inputs = single.repeat(len(channels), *[1] * (single.dim() - 1))
+        elif mode == "held":  # views: the detector's transform reads the first one only
+            inputs = single.expand(len(channels), *single.shape[1:])
         samples = torch.full_like(channels, sample)
     rows = (channels >= 0).nonzero()[:, 0]
     assert data.layout is not None  # checked by AblationCAM.ablated_scores
@@ -187,7 +224,10 @@ def _ablated_pass(
         copies[index] = 0
         return copies
 
-    with edit_spots(data.model, {data.layer: ablate}):
+    with (
+        edit_spots(data.model, {data.layer: ablate}),
+        held.passes(sample) if mode == "held" and held is not None else nullcontext(),
+    ):
         output = data.run(inputs, samples)
     return rank_scores(output, ranks, samples)
 
@@ -197,14 +237,22 @@ def _failure(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
 
 
-def _checked_broadcast(
-    data: LayerData, ranks: Sequence[LayerData], sample: int, chunk: torch.Tensor
+def _checked_pass(
+    data: LayerData,
+    ranks: Sequence[LayerData],
+    mode: _Mode,
+    held: HeldDetector | None,
+    sample: int,
+    chunk: torch.Tensor,
 ) -> tuple[torch.Tensor | None, str]:
-    """The chunk's scores from a broadcast pass, if an extra unablated row in it reproduces
-    the plain forward pass's score; else ``None`` and why not (for the warning)."""
+    """The chunk's scores from a ``"broadcast"`` or ``"held"`` pass, if an extra unablated
+    row in it reproduces the plain forward pass's score; else ``None`` and why not (for the
+    warning). A held pass first holds the detector's proposals of the sample."""
     with_check = torch.cat([chunk.new_full((1,), -1), chunk])
     try:
-        scores = _ablated_pass(data, ranks, "broadcast", sample, with_check)
+        if held is not None and not held.hold(sample, partial(_plain_scores, data, ranks, sample)):
+            return None, "the explained scores use no region proposal"
+        scores = _ablated_pass(data, ranks, mode, held, sample, with_check)
     except _BROADCAST_FAILURES as error:
         return None, _failure(error)
     assert data.scores is not None  # checked by AblationCAM.ablated_scores
@@ -219,3 +267,10 @@ def _checked_broadcast(
     ):
         return None, f"the unablated copy scored {float(check):.6g}, not {float(expected):.6g}"
     return scores[:, 1:], ""
+
+
+def _plain_scores(data: LayerData, ranks: Sequence[LayerData], sample: int) -> list[torch.Tensor]:
+    """Every rank's score in a plain pass of sample ``sample`` alone."""
+    rows = torch.tensor([sample], device=data.inputs.device)
+    output = data.run(data.inputs[sample : sample + 1], rows)
+    return [rank.score_fn(output, rows) for rank in ranks]

@@ -33,6 +33,7 @@ from torch import nn
 
 from camviz.cams.base import LayerData
 from camviz.core.attention import AttentionCapture, AttentionMaps, as_maps, capturing
+from camviz.core.denseheads import DenseRows
 from camviz.core.errors import CamvizError
 from camviz.core.grids import Layout, layout_of, patch_size
 from camviz.core.hooks import detach_to
@@ -199,10 +200,12 @@ def layer_pass(
     # A caller's inference mode would stop the graph too.
     with exclusive(model), torch.inference_mode(False):
         taps = {name: Tap(name, gradients, batch.main.dim() - 2, lineage) for name in layers}
-        # Exact gradients through a detector's RoI heads for the RoIs a score uses (second
-        # order would need the replay's graph twice: ShapleyCAM takes the plain path).
+        # Exact gradients through a detector's RoI or dense heads for the RoIs or anchors a
+        # score uses (second order would need the replay's graph twice: ShapleyCAM takes the
+        # plain path).
+        tapped = [parse(name).name for name in layers]
         shortcut = (
-            RoIRows.of(model, [parse(name).name for name in layers])
+            RoIRows.of(model, tapped) or DenseRows.of(model, tapped)
             if gradients and not hessian
             else None
         )
@@ -251,7 +254,7 @@ def _forward(
     batch: Inputs,
     taps: dict[str, Tap],
     target: TargetObject,
-    shortcut: RoIRows | None,
+    shortcut: RoIRows | DenseRows | None,
     record: bool,
 ) -> tuple[Any, dict[str, Any], Placement, CallLog | None]:
     """The model's output with the taps on, what the target's spots handed on, where the
@@ -306,7 +309,7 @@ class _GradientPass:
     output: Any
     deltas: dict[str, torch.Tensor]
     activations: dict[str, torch.Tensor]
-    shortcut: RoIRows | None
+    shortcut: RoIRows | DenseRows | None
     hessian: bool
     layers: list[str]
     capture: AttentionCapture | None = None

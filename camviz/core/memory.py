@@ -13,13 +13,12 @@ seen; it is freed before the operator returns.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from camviz.core.errors import CamvizError
 
@@ -109,10 +108,18 @@ class LiveTensorBytes(TorchDispatchMode):
     """Tracks the bytes of the tensors created while it is active, and their peak.
 
     Each new storage an operator returns (not one of its inputs', not a view of a tracked
-    one) is held by a weak reference; after every operator the storages that died are
-    dropped, so ``live`` is what the operators made and still exists, and ``peak`` its
-    maximum.
+    one) is held by a weak reference and counted in ``live``; when ``live`` would pass
+    ``peak``, the storages that died are dropped first, so ``peak`` is the maximum of what
+    the operators made and still existed. Between those checks ``live`` may still count
+    dead storages: it is never below the bytes alive, so a check it does not call for could
+    not raise the peak. Storages under ``SMALL`` bytes are counted as if they never died:
+    ``peak`` is then above the true peak by at most the bytes of those that did, and the
+    weak references to scan are the few large ones (scanning every storage after every
+    operator made a pass that creates thousands of small tensors, a detector's
+    post-processing of hundreds of copies, quadratic in them).
     """
+
+    SMALL = 4096
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -134,16 +141,20 @@ class LiveTensorBytes(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         output = func(*args, **(kwargs or {}))
-        self._forget_freed()
-        given = {_storage_key(leaf) for leaf in tree_leaves((args, kwargs))}
-        for leaf in tree_leaves(output):
+        given = {_storage_key(leaf) for leaf in _tensors((args, kwargs))}
+        for leaf in _tensors(output):
             key = _storage_key(leaf)
+            if key is not None and key in self.storages and self.storages[key][0].expired():
+                self._forget_freed()  # a new storage where a dead one was
             if key is None or key in given or key in self.storages:
                 continue
             storage = leaf.untyped_storage()
-            self.storages[key] = (StorageWeakRef(storage), storage.nbytes())
+            if storage.nbytes() >= self.SMALL:
+                self.storages[key] = (StorageWeakRef(storage), storage.nbytes())
             self.live += storage.nbytes()
-        self.peak = max(self.peak, self.live)
+        if self.live > self.peak:
+            self._forget_freed()
+            self.peak = max(self.peak, self.live)
         return output
 
     def _forget_freed(self) -> None:
@@ -151,6 +162,20 @@ class LiveTensorBytes(TorchDispatchMode):
             if storage.expired():
                 del self.storages[key]
                 self.live -= size
+
+
+def _tensors(value: object) -> Iterator[torch.Tensor]:
+    """The tensors in an operator's arguments or output (tuples, lists and dicts of them):
+    what ``torch.utils._pytree.tree_leaves`` finds there, at a fraction of its cost per
+    operator."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 def _storage_key(value: object) -> int | None:

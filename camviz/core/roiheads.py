@@ -43,7 +43,7 @@ class RoIRows:
         self.predictor = cast(nn.Module, heads.box_predictor)
         self._pooled_from: tuple[Any, list[torch.Tensor], Any] | None = None
         self._leaves: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._autocast: tuple[str, torch.dtype] | None = None
+        self._autocast: AutocastState = None
 
     @classmethod
     def of(cls, model: nn.Module, taps: Sequence[str]) -> RoIRows | None:
@@ -66,24 +66,25 @@ class RoIRows:
         return cls(heads)
 
     @contextmanager
-    def cut(self) -> Iterator[None]:
-        """Record the pool's inputs and make the predictor's outputs leaves, for one pass."""
+    def cut(self, graph_after: bool = False) -> Iterator[None]:
+        """Record the pool's inputs and make the predictor's outputs leaves, for one pass.
+
+        ``graph_after``: the leaves require grad and the post-processing keeps a graph even
+        in a pass without one (to tell the rows a score uses, :meth:`used_rows`).
+        """
 
         def on_pool(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             features, proposals, image_shapes = args
             self._pooled_from = (features, list(proposals), image_shapes)
-            device = proposals[0].device.type if proposals else "cpu"
-            self._autocast = (
-                (device, torch.get_autocast_dtype(device))
-                if torch.is_autocast_enabled(device)
-                else None
-            )
+            self._autocast = autocast_state(proposals[0].device if proposals else None)
 
         def on_predictor(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             logits, regression = output
+            if graph_after:
+                torch.set_grad_enabled(True)  # undone when the caller's no_grad block ends
             self._leaves = (
-                logits.detach().requires_grad_(logits.requires_grad),
-                regression.detach().requires_grad_(regression.requires_grad),
+                logits.detach().requires_grad_(graph_after or logits.requires_grad),
+                regression.detach().requires_grad_(graph_after or regression.requires_grad),
             )
             return self._leaves
 
@@ -100,13 +101,7 @@ class RoIRows:
             return torch.autograd.grad(
                 score, inputs, retain_graph=retain_graph, allow_unused=True
             )  # the heads did not run with a graph: nothing to shorten
-        leaf_grads = torch.autograd.grad(score, self._leaves, retain_graph=True, allow_unused=True)
-        weights = [
-            torch.zeros_like(leaf) if grad is None else grad
-            for leaf, grad in zip(self._leaves, leaf_grads, strict=True)
-        ]
-        used = weights[0].flatten(1).ne(0).any(1) | weights[1].flatten(1).ne(0).any(1)
-        rows = used.nonzero()[:, 0]
+        weights, rows = self._leaf_gradients(score)
         if not len(rows):
             return tuple(None for _ in inputs)
         features, proposals, image_shapes = self._pooled_from
@@ -115,7 +110,7 @@ class RoIRows:
             mine = rows[(rows >= start) & (rows < start + len(boxes))] - start
             subset.append(boxes[mine])
             start += len(boxes)
-        with torch.enable_grad(), self._replayed_precision():
+        with torch.enable_grad(), replayed_precision(self._autocast):
             pooled = self.pool(features, subset, image_shapes)
             logits, regression = self.predictor(self.head(pooled))
         return torch.autograd.grad(
@@ -126,9 +121,44 @@ class RoIRows:
             allow_unused=True,
         )
 
-    def _replayed_precision(self) -> AbstractContextManager[Any]:
-        """The autocast the forward pass ran the heads under, for their replay."""
-        if self._autocast is None:
-            return nullcontext()
-        device, dtype = self._autocast
-        return torch.autocast(device, dtype=dtype)
+    def used_proposals(self, scores: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each image's proposals ``(P_n, 4)`` whose rows at least one of ``scores`` (of the
+        last pass, cut with ``graph_after``) depends on, in the pooled order; a score that
+        depends on none (it reads no detection) adds none."""
+        assert self._pooled_from is not None  # a pass ran under cut()
+        used = [self._leaf_gradients(score)[1] for score in scores if score.requires_grad]
+        rows = torch.cat(used).unique() if used else torch.zeros(0, dtype=torch.long)
+        subset, start = [], 0
+        for boxes in self._pooled_from[1]:
+            mine = rows[(rows >= start) & (rows < start + len(boxes))] - start
+            subset.append(boxes[mine])
+            start += len(boxes)
+        return subset
+
+    def _leaf_gradients(self, score: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The gradient of ``score`` at the two leaves, and the rows where it is not zero."""
+        assert self._leaves is not None  # a pass ran under cut()
+        leaf_grads = torch.autograd.grad(score, self._leaves, retain_graph=True, allow_unused=True)
+        weights = [
+            torch.zeros_like(leaf) if grad is None else grad
+            for leaf, grad in zip(self._leaves, leaf_grads, strict=True)
+        ]
+        used = weights[0].flatten(1).ne(0).any(1) | weights[1].flatten(1).ne(0).any(1)
+        return weights, used.nonzero()[:, 0]
+
+
+AutocastState = tuple[str, torch.dtype] | None
+
+
+def autocast_state(device: torch.device | None) -> AutocastState:
+    """The autocast a pass runs under on ``device``'s type (``None``: none), for a replay."""
+    kind = device.type if device is not None else "cpu"
+    return (kind, torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else None
+
+
+def replayed_precision(state: AutocastState) -> AbstractContextManager[Any]:
+    """The autocast a forward pass ran a replayed part under (:func:`autocast_state`)."""
+    if state is None:
+        return nullcontext()
+    device, dtype = state
+    return torch.autocast(device, dtype=dtype)

@@ -1,0 +1,237 @@
+"""Ablation-CAM on torchvision detectors with the plain pass's proposals held, and the exact
+backward shortcut through RetinaNet's, FCOS's and SSD's dense heads.
+
+Ablation-CAM is checked against whole-network passes written here by hand: each channel
+zeroed by a hook, the region proposal network's answer replaced by the proposal of the
+explained detection (found by its score among the rows of the box predictor), the object
+followed by class and IoU. The dense-head shortcut is checked against the plain backward pass.
+Detectors are built from torchvision's classes on a tiny feature pyramid (8 channels), with
+random weights and thresholds of 0, so that they return detections.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torchvision.models import detection
+from torchvision.models.detection.anchor_utils import AnchorGenerator, DefaultBoxGenerator
+from torchvision.models.detection.backbone_utils import BackboneWithFPN
+from torchvision.ops import MultiScaleRoIAlign, box_iou
+
+import camviz
+from camviz.core.denseheads import DenseRows
+
+SIZE = 64
+
+
+def _pyramid(channels: int = 8) -> nn.Module:
+    """A two-stage trunk (strides 4 and 8) under a small FPN: levels '0', '1', 'pool'."""
+    trunk = nn.Sequential(
+        nn.Conv2d(3, 8, 3, stride=4, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1),
+        nn.ReLU(),
+    )
+    return BackboneWithFPN(trunk, {"1": "0", "3": "1"}, [8, 8], channels)
+
+
+def _anchors() -> AnchorGenerator:
+    return AnchorGenerator(((16,), (32,), (64,)), ((0.5, 1.0, 2.0),) * 3)
+
+
+@functools.cache
+def build(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    sizes = {"min_size": SIZE, "max_size": SIZE}
+    if kind == "fasterrcnn":
+        model: nn.Module = detection.FasterRCNN(
+            _pyramid(),
+            num_classes=3,
+            rpn_anchor_generator=_anchors(),
+            box_roi_pool=MultiScaleRoIAlign(["0", "1"], 7, 2),
+            box_score_thresh=0.0,
+            rpn_post_nms_top_n_test=40,
+            box_detections_per_img=10,
+            **sizes,
+        )
+    elif kind == "retinanet":
+        model = detection.RetinaNet(
+            _pyramid(), num_classes=3, anchor_generator=_anchors(), score_thresh=0.0, **sizes
+        )
+    elif kind == "fcos":
+        anchors = AnchorGenerator(((8,), (16,), (32,)), ((1.0,),) * 3)
+        model = detection.FCOS(  # 32 channels: its GroupNorm has 32 groups
+            _pyramid(32), num_classes=3, anchor_generator=anchors, score_thresh=0.0, **sizes
+        )
+    else:  # ssd: a head with one convolution per level
+        head = detection.ssd.SSDHead([8, 8, 8], [4, 4, 4], 3)
+        boxes = DefaultBoxGenerator([[2], [2], [2]])
+        model = detection.ssd.SSD(_pyramid(), boxes, (SIZE, SIZE), 3, head=head, score_thresh=0.0)
+    return model.eval()
+
+
+def images(count: int, seed: int) -> torch.Tensor:
+    return torch.rand(count, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(seed))
+
+
+def _followed(output: Any, box: torch.Tensor, label: int) -> float:
+    """The score of the detection of ``label`` that best overlaps ``box`` (IoU >= 0.5), else 0
+    (:class:`camviz.Detection`'s rule, written again)."""
+    found = output[0]
+    same = found["labels"] == label
+    if not same.any():
+        return 0.0
+    ious = torch.where(same, box_iou(box[None], found["boxes"])[0], torch.tensor(-1.0))
+    best = int(ious.argmax())
+    return float(found["scores"][best]) if float(ious[best]) >= 0.5 else 0.0
+
+
+def _held_proposal(model: nn.Module, image: torch.Tensor, score: float) -> torch.Tensor | None:
+    """The proposal whose box-predictor row gives the detection scored ``score``."""
+    if not hasattr(model, "rpn"):
+        return None
+    seen: dict[str, Any] = {}
+    hooks = [
+        model.rpn.register_forward_hook(lambda m, a, out: seen.update(boxes=out[0][0])),
+        model.roi_heads.box_predictor.register_forward_hook(
+            lambda m, a, out: seen.update(logits=out[0])
+        ),
+    ]
+    with torch.no_grad():
+        model(image)
+    for hook in hooks:
+        hook.remove()
+    probabilities = seen["logits"].softmax(-1)
+    row = int((probabilities - score).abs().min(1).values.argmin())
+    assert float((probabilities[row] - score).abs().min()) == 0
+    return seen["boxes"][row : row + 1]
+
+
+def whole_network_ablation(model: nn.Module, image: torch.Tensor, level: str) -> torch.Tensor:
+    """Raw Ablation-CAM at FPN ``level`` of detection 0 of one image by whole-network passes,
+    the proposals (for an R-CNN) held at the explained detection's."""
+    with torch.no_grad():
+        plain = model(image)[0]
+    box, label, score = plain["boxes"][0], int(plain["labels"][0]), float(plain["scores"][0])
+    proposal = _held_proposal(model, image, score)
+    seen: dict[str, torch.Tensor] = {}
+    zeroed: list[int] = []
+
+    def ablate(module: nn.Module, args: Any, output: OrderedDict) -> OrderedDict:
+        if "A" not in seen:
+            seen["A"] = output[level].clone()
+        edited = OrderedDict(output)
+        if zeroed:
+            edited[level] = output[level].clone()
+            edited[level][:, zeroed[0]] = 0
+        return edited
+
+    hooks = [model.backbone.register_forward_hook(ablate)]
+    if proposal is not None:
+        hooks.append(model.rpn.register_forward_hook(lambda m, a, out: ([proposal], out[1])))
+    weights = []
+    try:
+        with torch.no_grad():
+            assert _followed(model(image), box, label) == pytest.approx(score, rel=1e-6)
+            for channel in range(seen["A"].shape[1]):
+                zeroed[:] = [channel]
+                weights.append((score - _followed(model(image), box, label)) / score)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.einsum("c,chw->hw", torch.tensor(weights), seen["A"][0])
+
+
+@pytest.mark.parametrize("kind", ["fasterrcnn", "retinanet"])
+def test_ablationcam_on_a_detector_equals_whole_network_passes(kind: str, untouched) -> None:
+    model = build(kind)
+    batch = images(2, seed=1)
+    with untouched(model):
+        explanation = camviz.explain(
+            model,
+            batch,
+            "ablationcam",
+            layer="backbone",
+            target=camviz.Detection(0),
+            relu=False,
+            normalize=False,
+        )
+    for sample in range(len(batch)):
+        evidence = 0.0
+        for level in ("0", "1"):  # an R-CNN pools each RoI from one level: the other is 0
+            expected = whole_network_ablation(model, batch[sample : sample + 1], level)
+            evidence += float(expected.abs().max())
+            maps = explanation.maps_by_layer[f"backbone[{level}]"]
+            torch.testing.assert_close(maps[sample], expected, atol=1e-5, rtol=0)
+        assert evidence > 0
+
+
+def test_ablationcam_on_an_rcnn_pools_only_the_explained_rows() -> None:
+    model = build("fasterrcnn")
+    pooled: list[int] = []
+    hook = model.roi_heads.box_roi_pool.register_forward_hook(
+        lambda module, args, output: pooled.append(len(output))
+    )
+    try:
+        explanation = camviz.explain(
+            model, images(1, seed=2), "ablationcam", layer="backbone[0]", target=camviz.Detection(0)
+        )
+    finally:
+        hook.remove()
+    # the engine's pass and the one that holds the proposals pool every proposal; the
+    # ablated passes pool one row per copy (8 channels and the unablated check)
+    assert explanation.weights is not None
+    channels = explanation.weights["backbone[0]"].shape[1]
+    assert pooled[0] == pooled[1] > 1 and sum(pooled[2:]) == channels + 1
+
+
+@pytest.mark.parametrize("kind", ["retinanet", "fcos", "ssd"])
+def test_the_dense_head_shortcut_gives_the_plain_gradient(
+    kind: str, monkeypatch: pytest.MonkeyPatch, untouched
+) -> None:
+    model = build(kind)
+    batch = images(2, seed=3)
+    replayed: list[list[tuple[int, ...]]] = []  # the levels' sizes of every head call
+    hook = model.head.register_forward_hook(
+        lambda module, args, output: replayed.append([tuple(x.shape[-2:]) for x in args[0]])
+    )
+    raw = {"relu": False, "normalize": False}
+    targets = {
+        "three objects": camviz.Detection([0, 1, 2]),
+        "with the box": camviz.Detection(0, with_box=True),
+    }
+    try:
+        with untouched(model):
+            shortened = {
+                name: camviz.explain(model, batch, layer="backbone", target=target, **raw)
+                for name, target in targets.items()
+            }
+    finally:
+        hook.remove()
+    shortcut = DenseRows.of(model, ["backbone"])
+    assert shortcut is not None
+    if kind == "fcos":  # GroupNorm: a location depends on its whole level
+        assert shortcut.radius is None
+    else:  # four 3x3 convolutions and one more (RetinaNet), one (SSD)
+        assert shortcut.radius == {"retinanet": 5, "ssd": 1}[kind]
+        # each replay: one level cropped to at most 2r + 1 (level 0 is 16 x 16), the others
+        # handed 2 x 2 locations
+        replays = [call for call in replayed if call[0] != (SIZE // 4, SIZE // 4)]
+        assert replays
+        for call in replays:
+            crops = [size for size in call if size != (2, 2)]
+            assert len(crops) <= 1 and all(side <= 2 * shortcut.radius + 1 for side in crops[0])
+    monkeypatch.setattr(DenseRows, "of", classmethod(lambda cls, model, taps: None))
+    for name, target in targets.items():
+        plain = camviz.explain(model, batch, layer="backbone", target=target, **raw)
+        for level, maps in plain.maps_by_layer.items():
+            scale = float(maps.abs().max()) or 1.0
+            assert scale > 0 or level.endswith("[pool]")
+            torch.testing.assert_close(
+                shortened[name].maps_by_layer[level], maps, atol=1e-5 * scale, rtol=1e-5
+            )
