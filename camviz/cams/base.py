@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from functools import partial
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -27,6 +28,8 @@ from camviz.cams.projection import first_principal_component
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import run_model
 from camviz.core.placement import Placement, Stretch
+from camviz.core.taps import watching
+from camviz.core.targets import SpotOutput
 
 if TYPE_CHECKING:
     from camviz.core.attention import AttentionMaps
@@ -61,9 +64,12 @@ class LayerData:
         attention: Every block's attention probabilities from the same pass (and this rank's
             gradients with respect to them), for methods that ask for them (``attention``);
             else ``None``.
+        target_spots: The layer spots the target reads its score from (a ``Unit``'s layer),
+            which :meth:`run` records in every re-run.
 
     ``score_fn(output, samples)`` also scores perturbed batches: ``samples`` is the ``(R,)``
     index of the input each output row was made from (``None``: row ``n`` is input ``n``).
+    A re-run's output is what :meth:`run` returns.
     """
 
     layer: str
@@ -79,6 +85,7 @@ class LayerData:
     batch: Inputs | None = None
     placement: Placement | None = None
     attention: AttentionMaps | None = None
+    target_spots: tuple[str, ...] = ()
 
     def on_input(self, maps: torch.Tensor, samples: torch.Tensor | None = None) -> torch.Tensor:
         """``(R, *grid)`` maps at the layer's grid laid on the map input, ``(R, *spatial)``;
@@ -88,7 +95,16 @@ class LayerData:
 
     def run(self, inputs: torch.Tensor, rows: torch.Tensor | None = None) -> object:
         """The model's output with the map input replaced by ``inputs``, whose row ``r`` was
-        made from sample ``rows[r]`` (the model's other inputs, if any, follow ``rows``)."""
+        made from sample ``rows[r]`` (the model's other inputs, if any, follow ``rows``).
+
+        For a target that reads layer spots, a :class:`~camviz.core.targets.SpotOutput`: the
+        spots are watched in this pass with the hooks the engine's pass uses
+        (:func:`camviz.core.taps.watching`), inside any edit the caller makes (an ablation),
+        so the score is the re-run's own.
+        """
+        return with_spots(self.model, self.target_spots, partial(self._run, inputs, rows))
+
+    def _run(self, inputs: torch.Tensor, rows: torch.Tensor | None) -> object:
         if self.batch is None:
             return run_model(self.model, inputs)
         return self.batch.run(self.model, inputs, rows)
@@ -102,6 +118,17 @@ class LayerData:
                 "them must set uses_gradients = True"
             )
         return self.gradients
+
+
+def with_spots(model: nn.Module, spots: Sequence[str], run: Callable[[], Any]) -> Any:
+    """``run()``, a pass of ``model``; with ``spots`` (those a target reads), a
+    :class:`~camviz.core.targets.SpotOutput` of its output and what the pass handed on there,
+    watched with the hooks of the engine's pass (:func:`camviz.core.taps.watching`)."""
+    if not spots:
+        return run()
+    with watching(model, spots) as watches:
+        output = run()
+    return SpotOutput(output, {spot: watch.handed for spot, watch in watches.items() if watch.ran})
 
 
 class CamMethod:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +93,7 @@ class _BiasTaps(CallMode):
 
 
 def full_gradients(
-    model: nn.Module, inputs: torch.Tensor | Inputs, score: ScoreFn
+    model: nn.Module, inputs: torch.Tensor | Inputs, score: ScoreFn, spots: Sequence[str] = ()
 ) -> FullGradients:
     """The input- and bias-gradients of ``score`` for a batch, in one backward pass.
 
@@ -102,10 +102,11 @@ def full_gradients(
         inputs: An ``(N, C, *spatial)`` batch, or several inputs (the map input's gradient
             is taken).
         score: Maps the model's output to the ``(N,)`` explained scores.
+        spots: The spots the target reads (a ``Unit``'s layer), recorded in the pass.
     """
     main = inputs.main if isinstance(inputs, Inputs) else inputs
     recorder = _BiasTaps(main.dim())
-    leaves, total = forward_from_inputs(model, inputs, score, recorder)
+    leaves, total = forward_from_inputs(model, inputs, score, recorder, spots=spots)
     deltas = [delta for _, delta in recorder.taps]
     gradients = torch.autograd.grad(total, [*leaves.values(), *deltas], allow_unused=True)
     bias_gradients = [
@@ -154,7 +155,9 @@ class FullGrad(CamMethod):
     uses_gradients = False
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
-        decomposition = full_gradients(data.model, data.batch or data.inputs, data.score_fn)
+        decomposition = full_gradients(
+            data.model, data.batch or data.inputs, data.score_fn, data.target_spots
+        )
         total = _channel_normalised_sum(data.inputs * decomposition.input_gradients)
         for bias_gradient in decomposition.bias_gradients:
             # Upsampling is linear, so summing the channels first gives the same map, cheaper.

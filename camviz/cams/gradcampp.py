@@ -10,6 +10,7 @@ from camviz.cams.noise import SampleNoise
 from camviz.cams.registry import register
 from camviz.core.errors import CamvizError
 from camviz.core.inputs import corner
+from camviz.core.targets import CallableTarget
 
 
 def plusplus_weights(
@@ -156,7 +157,8 @@ class SmoothGradCAMPlusPlus(ChannelWeighted):
             # any output type carry over to the noisy batch unchanged.
             noisy_inputs = inputs + sigma * draw
             batch = data.batch.with_main(noisy_inputs) if data.batch is not None else noisy_inputs
-            noisy = layer_pass(data.model, batch, [data.layer], data.score_fn)
+            target = CallableTarget(data.score_fn, data.target_spots)
+            noisy = layer_pass(data.model, batch, [data.layer], target)
             gradients = data.layout.to_spatial(noisy.gradients[data.layer][0])
             moments += torch.stack([gradients, gradients.square(), gradients.pow(3)])
         first, second, third = moments / self.samples

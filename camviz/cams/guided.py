@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 
-from camviz.cams.base import CamMethod, InputMapMethod, LayerData
+from camviz.cams.base import CamMethod, InputMapMethod, LayerData, with_spots
 from camviz.cams.gradcam import GradCAM
 from camviz.cams.registry import register
 from camviz.core.calls import CallMode
@@ -48,6 +48,7 @@ def forward_from_inputs(
     score: ScoreFn,
     during_forward: AbstractContextManager[Any] | None = None,
     keys: Sequence[Key] | None = None,
+    spots: Sequence[str] = (),
 ) -> tuple[dict[Key, torch.Tensor], torch.Tensor]:
     """Run the model on copies of its inputs that require grad, with grad enabled.
 
@@ -58,6 +59,8 @@ def forward_from_inputs(
         during_forward: A context entered for the model's forward pass only, not for the
             score (the guided ReLUs, FullGrad's bias taps).
         keys: The inputs to copy (by position or name); by default the map input.
+        spots: The spots the target reads (a ``Unit``'s layer): ``score`` gets the output
+            with what this pass handed on there (:func:`~camviz.cams.base.with_spots`).
 
     Returns:
         ``(leaves, total)``: the copies by key, to differentiate with respect to, and the
@@ -78,7 +81,7 @@ def forward_from_inputs(
         for leaf in leaves.values():
             leaf.requires_grad_()
         with during_forward or nullcontext():
-            output = batch.replaced(leaves)(model)
+            output = with_spots(model, spots, partial(batch.replaced(leaves), model))
         total = score(output).sum()
     if not total.requires_grad:
         raise CamvizError(
@@ -89,7 +92,12 @@ def forward_from_inputs(
 
 
 def input_gradients(
-    model: nn.Module, inputs: torch.Tensor | Inputs, score: ScoreFn, *, guided: bool = False
+    model: nn.Module,
+    inputs: torch.Tensor | Inputs,
+    score: ScoreFn,
+    *,
+    guided: bool = False,
+    spots: Sequence[str] = (),
 ) -> torch.Tensor:
     """``dy/dx`` of the map input for each sample, ``(N, C, *spatial)``, in one batched
     backward pass (:func:`all_input_gradients` for every input).
@@ -99,19 +107,27 @@ def input_gradients(
         inputs: An ``(N, C, *spatial)`` batch, or several inputs.
         score: Maps the model's output to the ``(N,)`` explained scores.
         guided: Back-propagate through the model's rectifiers as Guided Backprop does.
+        spots: The spots the target reads (see :func:`forward_from_inputs`).
     """
-    leaves, total = forward_from_inputs(model, inputs, score, guided_relus() if guided else None)
+    relus = guided_relus() if guided else None
+    leaves, total = forward_from_inputs(model, inputs, score, relus, spots=spots)
     (gradients,) = torch.autograd.grad(total, list(leaves.values()))
     return gradients
 
 
 def all_input_gradients(
-    model: nn.Module, inputs: Inputs, score: ScoreFn, *, guided: bool = False
+    model: nn.Module,
+    inputs: Inputs,
+    score: ScoreFn,
+    *,
+    guided: bool = False,
+    spots: Sequence[str] = (),
 ) -> dict[Key, torch.Tensor]:
-    """``dy/dx`` of every input with spatial axes, by key, from one backward pass."""
+    """``dy/dx`` of every input with spatial axes, by key, from one backward pass (``spots``:
+    see :func:`forward_from_inputs`)."""
     keys = inputs.spatial_keys()
     leaves, total = forward_from_inputs(
-        model, inputs, score, guided_relus() if guided else None, keys
+        model, inputs, score, guided_relus() if guided else None, keys, spots
     )
     gradients = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
     return {
@@ -138,12 +154,17 @@ class InputGradientMethod(InputMapMethod):
     def input_maps(self, data: LayerData) -> dict[Key, torch.Tensor]:
         """``{input position or name: (N, *spatial) map}`` for every spatial input."""
         batch = data.batch or Inputs((data.inputs,), {}, 0, len(data.inputs))
-        gradients = all_input_gradients(data.model, batch, data.score_fn, guided=self.guided)
+        gradients = all_input_gradients(
+            data.model, batch, data.score_fn, guided=self.guided, spots=data.target_spots
+        )
         return {key: saliency(gradient) for key, gradient in gradients.items()}
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
         inputs = data.batch or data.inputs
-        return saliency(input_gradients(data.model, inputs, data.score_fn, guided=self.guided))
+        gradients = input_gradients(
+            data.model, inputs, data.score_fn, guided=self.guided, spots=data.target_spots
+        )
+        return saliency(gradients)
 
 
 class _GuidedActivation(torch.autograd.Function):
@@ -305,5 +326,11 @@ class GuidedGradCAM(CamMethod):
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
         cam = data.on_input(torch.relu(GradCAM().layer_map(data)))
-        guided = input_gradients(data.model, data.batch or data.inputs, data.score_fn, guided=True)
+        guided = input_gradients(
+            data.model,
+            data.batch or data.inputs,
+            data.score_fn,
+            guided=True,
+            spots=data.target_spots,
+        )
         return saliency(guided) * cam

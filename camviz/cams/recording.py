@@ -45,7 +45,15 @@ from camviz.core.modelstate import exclusive
 from camviz.core.placement import Placement, recording
 from camviz.core.precision import at_least_fp32
 from camviz.core.roiheads import RoIRows
-from camviz.core.taps import edit_spots, element_key, map_elements, parse, replace, select
+from camviz.core.taps import (
+    Watch,
+    edit_spots,
+    element_key,
+    map_elements,
+    parse,
+    replace,
+    select,
+)
 from camviz.core.targets import Context, Resolved, ScoreFn, Target, TargetObject, as_target
 
 
@@ -70,6 +78,8 @@ class LayerPass:
             from the map input and they are patch tokens (:mod:`camviz.core.lineage`).
         attention: Every block's attention, one :class:`~camviz.core.attention.AttentionMaps`
             per rank (with its gradients when asked for); empty unless asked for.
+        target_spots: The spots the target reads (:attr:`TargetObject.spots`), which
+            re-runs of the model record for it too (:meth:`LayerData.run`).
     """
 
     output: Any
@@ -82,6 +92,7 @@ class LayerPass:
     calls: CallLog | None = None
     tokens: dict[str, TokenGrid | None] = field(default_factory=dict)
     attention: list[AttentionMaps] = field(default_factory=list)
+    target_spots: tuple[str, ...] = ()
 
     @property
     def score_fns(self) -> list[ScoreFn]:
@@ -148,20 +159,6 @@ class Tap:
         delta = torch.zeros_like(output, requires_grad=True)
         self.deltas[key] = delta
         return output + delta
-
-
-class _Watch:
-    """Keeps the tensor at a spot a target asked for, as the rest of the network got it."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.ran = False
-        self.handed: Any = None
-
-    def __call__(self, output: Any) -> Any:
-        self.ran = True
-        self.handed = output
-        return output
 
 
 def layer_pass(
@@ -235,6 +232,7 @@ def layer_pass(
         attention=(
             [] if capture is None else as_maps(capture, backward.attention_gradients, len(fns))
         ),
+        target_spots=tuple(chosen.spots),
     )
 
 
@@ -259,7 +257,7 @@ def _forward(
 ) -> tuple[Any, dict[str, Any], Placement, CallLog | None]:
     """The model's output with the taps on, what the target's spots handed on, where the
     grids lie on the input, and the module calls if ``record``."""
-    watches = {spot: _Watch(spot) for spot in target.spots if spot not in taps}
+    watches = {spot: Watch(spot) for spot in target.spots if spot not in taps}
     log = None
     with (
         edit_spots(model, {**taps, **watches}, containers=True),
@@ -272,7 +270,7 @@ def _forward(
                 output = batch(model)
         else:
             output = batch(model)
-    edits: dict[str, Tap | _Watch] = {**taps, **watches}
+    edits: dict[str, Tap | Watch] = {**taps, **watches}
     for edit in edits.values():
         if not edit.ran:
             raise CamvizError(
@@ -435,6 +433,7 @@ def layer_data(
                 hessian_products=None if product is None else layout.to_spatial(product),
                 placement=recorded.placement,
                 attention=recorded.attention[rank] if recorded.attention else None,
+                target_spots=recorded.target_spots,
             )
         )
     return ranks

@@ -17,7 +17,7 @@ from camviz.cams.wrappers import Wrapper
 from camviz.core.errors import CamvizError
 from camviz.core.maps import normalize, upsample
 from camviz.core.modelstate import no_grad
-from camviz.core.targets import ScoreFn
+from camviz.core.targets import CallableTarget, ScoreFn, map_output
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,6 +29,16 @@ class _PatchScore:
 
     def __call__(self, output: Any, samples: torch.Tensor | None = None) -> torch.Tensor:
         return self.score(output, self.images if samples is None else self.images[samples])
+
+
+def _softmax(output: Any) -> torch.Tensor:
+    """The softmax of a logits output."""
+    if not isinstance(output, torch.Tensor):
+        raise CamvizError(
+            "sess scores windows on the softmax of a logits tensor, but the model returns a "
+            "structure; pass softmax=False"
+        )
+    return output.softmax(dim=-1)
 
 
 def window_starts(length: int, window: int, step: int) -> list[int]:
@@ -217,12 +227,7 @@ class SESS(Wrapper):
             ):
                 output = data.run(chunk, chunk_images)
                 if self.softmax:
-                    if not isinstance(output, torch.Tensor):
-                        raise CamvizError(
-                            "sess scores windows on the softmax of a logits tensor, but the "
-                            "model returns a structure; pass softmax=False"
-                        )
-                    output = output.softmax(dim=-1)
+                    output = map_output(output, _softmax)  # a unit's spot stays
                 scores.append(data.score_fn(output, chunk_images))
         return torch.cat(scores).clamp_min(0)
 
@@ -235,7 +240,7 @@ class SESS(Wrapper):
             data.model,
             patches,
             [data.layer],
-            score,
+            CallableTarget(score, data.target_spots),
             gradients=self.base.uses_gradients,
             attention=self.base.attention,
         )

@@ -209,3 +209,26 @@ def edit_spots(
             else:
                 hooks.add(module.register_forward_hook(partial(on_output, key, spot, fn)))
         yield model
+
+
+class Watch:
+    """An edit that changes nothing: it keeps the tensor (or container) at its spot as the
+    rest of the network got it, for a target that reads the spot (a ``Unit``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.ran = False
+        self.handed: Any = None
+
+    def __call__(self, output: Any) -> Any:
+        self.ran = True
+        self.handed = output
+        return output
+
+
+@contextlib.contextmanager
+def watching(model: nn.Module, spots: Iterable[str]) -> Iterator[dict[str, Watch]]:
+    """A :class:`Watch` on each of ``spots`` inside a block (the hooks come off after)."""
+    watches = {spot: Watch(spot) for spot in spots}
+    with edit_spots(model, watches, containers=True):
+        yield watches

@@ -45,6 +45,9 @@ A one-argument callable ``fn(output)`` must score each row on its own (``lambda 
 out[:, 3]``); on re-run batches camviz checks that (the rows' scores must not depend on
 their position) and raises a :class:`CamvizError` that points here when they do.
 :func:`call_target` is the one place that calls a user callable.
+For a target that reads layer spots (:attr:`TargetObject.spots`, a ``Unit``), a re-run's
+output is a :class:`SpotOutput` that also holds the re-run's tensors at those spots
+(:meth:`camviz.cams.base.LayerData.run` records them).
 
 Every kind of target is an object that implements :class:`TargetObject`
 (:mod:`camviz.core.targets.protocol`): the engine prepares it, resolves it on the pass's
@@ -68,7 +71,14 @@ from camviz.core.targets.classes import (
 )
 from camviz.core.targets.contrast import Contrast, Nearest
 from camviz.core.targets.convert import Target, as_target, class_name, score_fns
-from camviz.core.targets.outputs import as_logits, is_per_sample_list, row_count, take_rows
+from camviz.core.targets.outputs import (
+    SpotOutput,
+    as_logits,
+    is_per_sample_list,
+    map_output,
+    row_count,
+    take_rows,
+)
 from camviz.core.targets.protocol import (
     Change,
     Context,
@@ -92,6 +102,7 @@ __all__ = [
     "Resolved",
     "RowTarget",
     "ScoreFn",
+    "SpotOutput",
     "Target",
     "TargetObject",
     "TopK",
@@ -103,6 +114,7 @@ __all__ = [
     "class_ids",
     "class_name",
     "is_per_sample_list",
+    "map_output",
     "nearest_classes",
     "parse_unit",
     "probability_score",

@@ -15,19 +15,26 @@ import torch
 
 from camviz.core.errors import CamvizError, first_line
 from camviz.core.hooks import tensors_in
-from camviz.core.targets.outputs import row_count, take_rows
+from camviz.core.targets.outputs import SpotOutput, row_count, take_rows
 from camviz.core.targets.protocol import Change, Context, Resolved, TargetObject
 
 
 @dataclass(frozen=True, eq=False)
 class CallableTarget(TargetObject):
     """A user's callable (or a score function handed on by a method) as a target: scored
-    through :func:`call_target`, and no class."""
+    through :func:`call_target`, and no class.
+
+    A method's own passes that hand on the explained target's score function give the
+    ``spots`` it reads (:attr:`camviz.cams.base.LayerData.target_spots`): the pass records
+    them and the function gets its output as a :class:`SpotOutput`, as a re-run's.
+    """
 
     fn: Callable[..., torch.Tensor]
+    spots: tuple[str, ...] = ()
 
     def resolve(self, output: Any, context: Context) -> Resolved:
-        return Resolved((UserScore(self.fn, context.batch_size),))
+        recorded = SpotOutput(output, context.spots) if self.spots else None
+        return Resolved((UserScore(self.fn, context.batch_size, recorded),))
 
     def follow(self, change: Change) -> TargetObject:
         return self
@@ -37,12 +44,16 @@ class CallableTarget(TargetObject):
 class UserScore:
     """The score function of a :class:`CallableTarget`: in the pass it was resolved on
     (``rows=None``), a callable that takes rows gets those of the ``batch_size`` inputs
-    (``None``: as many as the output has rows)."""
+    (``None``: as many as the output has rows). ``recorded``: that pass's output with the
+    spots the target asked for, handed to ``fn`` in place of the bare output."""
 
     fn: Callable[..., torch.Tensor]
     batch_size: int | None
+    recorded: SpotOutput | None = None
 
     def __call__(self, output: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
+        if self.recorded is not None and output is self.recorded.output:
+            output = self.recorded
         if rows is None and self.batch_size is not None and takes_rows(self.fn):
             first = next(tensors_in(output), None)
             device = first.device if first is not None else None

@@ -4,17 +4,45 @@ Rows are what a target scores: row ``r`` of a batch output belongs to one input.
 rows are along its first axis; a tuple, list or dict holds tensors with rows; a list with
 one element per sample (a detector's per-image dicts, or one dict of scores per sample) is
 itself a batch of rows.
+
+A re-run of the model for a target that reads layer spots (a :class:`~camviz.core.targets.Unit`)
+hands its score functions a :class:`SpotOutput`: the output with the tensors that re-run
+handed on at those spots. Every other score reads its ``output`` as before (:func:`as_logits`
+and :func:`take_rows` look through it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from camviz.core.errors import CamvizError
 from camviz.core.hooks import tensors_in
+
+
+@dataclass(frozen=True, eq=False)
+class SpotOutput:
+    """A pass's model output with what it handed on at the spots its target reads.
+
+    Attributes:
+        output: The model's output.
+        spots: ``{spot key: tensor}`` for each spot the target asked for
+            (:attr:`~camviz.core.targets.TargetObject.spots`), one row per output row.
+    """
+
+    output: Any
+    spots: Mapping[str, torch.Tensor]
+
+
+def map_output(output: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn(output)``; for a :class:`SpotOutput`, ``fn`` of its model output, its spots kept
+    (a method that transforms the output, SESS's softmax, leaves a unit's spot as it is)."""
+    if isinstance(output, SpotOutput):
+        return SpotOutput(fn(output.output), output.spots)
+    return fn(output)
 
 
 def is_per_sample_list(output: Any) -> bool:
@@ -37,6 +65,8 @@ def _one_sample(item: Mapping[Any, Any]) -> bool:
 
 def row_count(output: Any) -> tuple[int, torch.device] | None:
     """How many rows a model output has and on which device, or ``None`` if it has none."""
+    if isinstance(output, SpotOutput):
+        return row_count(output.output)
     if is_per_sample_list(output):
         first = next(tensors_in(output), None)
         return len(output), first.device if first is not None else torch.device("cpu")
@@ -47,7 +77,11 @@ def row_count(output: Any) -> tuple[int, torch.device] | None:
 
 
 def take_rows(output: Any, rows: torch.Tensor) -> Any:
-    """The rows ``rows`` of every tensor in a model output (tensor, tuple, list or dict)."""
+    """The rows ``rows`` of every tensor in a model output (tensor, tuple, list or dict;
+    a :class:`SpotOutput`'s spots too)."""
+    if isinstance(output, SpotOutput):
+        spots = {key: take_rows(tensor, rows) for key, tensor in output.spots.items()}
+        return SpotOutput(take_rows(output.output, rows), spots)
     if isinstance(output, torch.Tensor):
         return output[rows.to(output.device)]
     if is_per_sample_list(output):  # one element per row
@@ -79,6 +113,8 @@ def as_logits(
     Raises:
         CamvizError: No tensor can be found, or the key is not there.
     """
+    if isinstance(output, SpotOutput):
+        return as_logits(output.output, output_key, what)
     if isinstance(output, torch.Tensor):
         return output
     if output_key is not None:

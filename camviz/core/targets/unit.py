@@ -12,13 +12,14 @@ scores what the unit does there, on the tensor the rest of the network got:
 
 A token layer (a vision transformer's ``(N, T, C)``) is read on its patch tokens only: the
 class, distillation and register tokens are left out, and a neuron's ``(c, row, col)`` is a
-patch of the grid (:mod:`camviz.core.grids` lays the tokens out). Every method that takes
-its scores from the explaining pass explains a unit at any layer before the unit's
-(without ``layer=`` it is explained at the last layer before its own, see
-:mod:`camviz.core.defaults`).
-Methods that score re-runs of the model on perturbed copies (Score-CAM, Ablation-CAM, the
-faithfulness metrics) would need the unit's layer recorded in those passes too; they are
-refused in one line rather than handed the plain pass's scores.
+patch of the grid (:mod:`camviz.core.grids` lays the tokens out). A method explains a unit
+at any layer before the unit's (without ``layer=`` at the last layer before its own, see
+:mod:`camviz.core.defaults`): the explaining pass records the unit's spot, and so do the
+passes a method makes of its own (Score-CAM's and Ablation-CAM's re-runs on perturbed
+copies, input gradients, noisy or windowed passes: :func:`camviz.cams.base.with_spots`),
+whose outputs come as a :class:`~camviz.core.targets.SpotOutput` with that pass's own
+tensor at the spot. Any other output (CAM's projection through the classifier) is refused
+in one line rather than scored with the explaining pass's values.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from camviz.core.layerkinds import Kind
 from camviz.core.layouts import spot_reading
 from camviz.core.lineage import TokenGrid
 from camviz.core.taps import parse
+from camviz.core.targets.outputs import SpotOutput
 from camviz.core.targets.protocol import Change, Context, Resolved, TargetObject
 
 if TYPE_CHECKING:
@@ -153,7 +155,9 @@ class Unit(TargetObject):
                 "model uses (`camviz layers` lists them with shapes)"
             )
         scores = self.scores(self.view(context.spots[self.layer]))
-        return Resolved(tuple(_PassScore(scores[:, rank], output) for rank in range(self.ranks)))
+        return Resolved(
+            tuple(_PassScore(self, rank, scores[:, rank], output) for rank in range(self.ranks))
+        )
 
     def follow(self, change: Change) -> Unit:
         """The unit of an augmented pass: the same unit, read at the new input size."""
@@ -254,21 +258,32 @@ class Unit(TargetObject):
 
 @dataclass(frozen=True, eq=False)
 class _PassScore:
-    """A unit's scores in the pass it was resolved on. A re-run of the model on perturbed
-    copies gives another output, whose unit layer this pass did not record: scoring it with
-    the plain pass's values would be silently wrong, so it is refused."""
+    """One rank of a unit's score: its values in the pass it was resolved on, and in a
+    re-run, read from the unit's spot as that re-run recorded it (a :class:`SpotOutput`).
+    Any other output comes from a pass that did not record the spot: scoring it with the
+    explaining pass's values would be silently wrong, so it is refused."""
 
+    unit: Unit
+    rank: int
     values: torch.Tensor
     output: Any
 
     def __call__(self, output: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
-        if output is not self.output:
+        if output is self.output:
+            return self.values if rows is None else self.values[rows.to(self.values.device)]
+        if not isinstance(output, SpotOutput):
             raise CamvizError(
-                "a Unit is scored from its layer in the explaining pass, and this method "
-                "scores re-runs of the model on perturbed copies; explain the unit with a "
-                "gradient method (gradcam, gradcampp, layercam, ...)"
+                f"this pass of the model did not record the Unit's layer {self.unit.layer!r}, "
+                "so it cannot score the unit; explain the unit with a method that runs the "
+                "model (gradcam, scorecam, ablationcam, ...), not one that reads the classifier"
             )
-        return self.values if rows is None else self.values[rows.to(self.values.device)]
+        if self.unit.layer not in output.spots:
+            raise CamvizError(
+                f"layer {self.unit.layer!r} did not run in the re-run of the model; pick a "
+                "layer that the model uses (`camviz layers` lists them with shapes)"
+            )
+        # Row r of a re-run is its own copy: its score is the unit at the spot's row r.
+        return self.unit.scores(self.unit.view(output.spots[self.unit.layer]))[:, self.rank]
 
 
 def as_units(value: object, what: str = "units") -> list[Unit]:
