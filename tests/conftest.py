@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -18,6 +19,20 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "assets"
+
+
+# The cores this test process may use: all of them, or its share under pytest-xdist.
+CORES = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker's torch (and the processes it starts: the CLI,
+    torchrun, notebook kernels) uses its share of the cores only. More OpenMP threads than
+    cores make libgomp stop spinning between parallel regions, and every small parallel
+    region then pays for waking its team: the suite took twice the CPU time."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        torch.set_num_threads(CORES)
+        os.environ["OMP_NUM_THREADS"] = str(CORES)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
