@@ -35,10 +35,8 @@ import torch
 from torch import nn
 
 from camviz.core.errors import first_line
-from camviz.core.modelstate import CHANNELS_LAST_FORMATS, ModelChange
+from camviz.core.modelstate import CHANNELS_LAST_FORMATS, InstanceForward
 from camviz.core.targets import take_rows
-
-_ABSENT = object()
 
 #: The ``torch.compile`` backend of the masked passes (the tests use ``"aot_eager"``: the same
 #: capture in a second, where inductor's C++ kernels take 20 s for the tiniest CNN).
@@ -94,21 +92,12 @@ class _CompiledPasses:
 
 
 @dataclass(frozen=True)
-class CompiledForward(ModelChange):
+class CompiledForward(InstanceForward):
     """The model's ``forward`` run through ``torch.compile`` for the block (see the module
     docstring); the model's hooks run eagerly around it."""
 
-    def save(self, model: nn.Module) -> Any:
-        return model.__dict__.get("forward", _ABSENT)
-
-    def apply(self, model: nn.Module, saved: Any) -> None:
-        model.forward = _CompiledPasses(model.forward)
-
-    def restore(self, model: nn.Module, saved: Any) -> None:
-        if saved is _ABSENT:
-            model.__dict__.pop("forward", None)
-        else:
-            model.forward = saved
+    def replacement(self, model: nn.Module) -> Callable[..., Any]:
+        return _CompiledPasses(model.forward)
 
 
 def _rows(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:

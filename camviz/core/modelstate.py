@@ -270,28 +270,43 @@ class DetectorInputSize(_SetAttributes):
         return settings
 
 
-#: What :class:`ForwardAs` saves when the model had no ``forward`` of its own instance.
+#: What :class:`InstanceForward` saves when the model had no ``forward`` of its own instance.
 _NO_OWN_FORWARD = object()
 
 
-@dataclass(frozen=True)
-class ForwardAs(ModelChange):
-    """The model's calls run its method ``method`` instead of ``forward``, and answer that
-    output's ``key`` when it is no tensor: a CLIP model, whose ``forward`` needs text as well
-    as pixels, answers ``get_image_features(x).pooler_output``, its image embedding.
+class InstanceForward(ModelChange):
+    """The model's calls run :meth:`replacement` instead of its ``forward``: set as an
+    attribute of the instance, so ``model(x)`` still runs its hooks (camviz's and the
+    user's) and its layer names stay; the class's ``forward`` is untouched, and the instance
+    comes back with no ``forward`` of its own (or with the one it had)."""
 
-    Set as an attribute of the instance, so ``model(x)`` still runs its hooks (camviz's
-    and the user's) and its layer names stay; the class's ``forward`` is untouched, and
-    the instance comes back with no ``forward`` of its own (or with the one it had).
-    """
-
-    method: str
-    key: str | None = None
+    def replacement(self, model: nn.Module) -> Callable[..., Any]:
+        """The callable that answers the model's calls for the block."""
+        raise NotImplementedError
 
     def save(self, model: nn.Module) -> Any:
         return model.__dict__.get("forward", _NO_OWN_FORWARD)
 
     def apply(self, model: nn.Module, saved: Any) -> None:
+        model.__dict__["forward"] = self.replacement(model)
+
+    def restore(self, model: nn.Module, saved: Any) -> None:
+        if saved is _NO_OWN_FORWARD:
+            model.__dict__.pop("forward", None)
+        else:
+            model.__dict__["forward"] = saved
+
+
+@dataclass(frozen=True)
+class ForwardAs(InstanceForward):
+    """The model's calls run its method ``method`` instead of ``forward``, and answer that
+    output's ``key`` when it is no tensor: a CLIP model, whose ``forward`` needs text as well
+    as pixels, answers ``get_image_features(x).pooler_output``, its image embedding."""
+
+    method: str
+    key: str | None = None
+
+    def replacement(self, model: nn.Module) -> Callable[..., Any]:
         method, key = getattr(model, self.method), self.key
 
         # Named ``forward``: what raises inside is the model's (core.inputs.run_model).
@@ -299,13 +314,7 @@ class ForwardAs(ModelChange):
             output = method(*args, **kwargs)
             return output if key is None or isinstance(output, torch.Tensor) else output[key]
 
-        model.__dict__["forward"] = forward
-
-    def restore(self, model: nn.Module, saved: Any) -> None:
-        if saved is _NO_OWN_FORWARD:
-            model.__dict__.pop("forward", None)
-        else:
-            model.__dict__["forward"] = saved
+        return forward
 
 
 # Channels-last memory formats by tensor rank: images (N, C, H, W) and volumes (N, C, D, H, W).
