@@ -100,8 +100,10 @@ def test_a_million_rows_are_scanned_and_merged_in_bounded_memory(tmp_path):
 
 @pytest.fixture
 def small_runs(monkeypatch):
-    """Runs of three rows, so that a few rows spill and merge as a million would."""
-    monkeypatch.setattr(merging, "RUN_ROWS", 3)
+    """Buckets of two inputs, spilled every three rows, so that a few rows spill and merge
+    as a million would."""
+    monkeypatch.setattr(merging, "BUCKET_INPUTS", 2)
+    monkeypatch.setattr(merging, "HELD_ROWS", 3)
 
 
 def test_the_merge_keeps_each_inputs_latest_row_in_input_order_across_runs(tmp_path, small_runs):

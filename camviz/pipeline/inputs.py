@@ -59,6 +59,7 @@ from PIL import Image
 from camviz.core.errors import CamvizError
 from camviz.io.files import not_a_regular_file
 from camviz.io.volumes import is_volume, volume_stem
+from camviz.pipeline.manifest import item_key
 from camviz.pipeline.naming import rank_clash
 
 #: File extensions taken as videos; everything else is read as an image.
@@ -100,13 +101,9 @@ class Item:
 
     @property
     def key(self) -> str:
-        """What identifies this item across runs (see :func:`item_key`)."""
+        """What identifies this item across runs (see
+        :func:`camviz.pipeline.manifest.item_key`)."""
         return item_key(self.path, self.frame)
-
-
-def item_key(path: str, frame: int | None) -> str:
-    """The path, with ``#N`` added for frame ``N`` of a video."""
-    return path if frame is None else f"{path}#{frame}"
 
 
 @dataclass(frozen=True)
