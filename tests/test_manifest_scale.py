@@ -140,3 +140,40 @@ def test_the_merge_keeps_each_inputs_latest_row_in_input_order_across_runs(tmp_p
     ]
     assert (merged.ok, merged.failures, merged.skipped) == (4, [row("e", "error")], 1)
     assert merged.earlier == {"old.mp4", "gone_overlay.png"}
+
+
+def test_the_merge_counts_plain_rows_in_bulk_as_it_counts_every_other_row(tmp_path, small_runs):
+    def row(name, status="ok", layers=None, explained=(), frame=None):
+        files = [file for entry in explained for file in entry["files"].values()]
+        return {
+            "input": name,
+            "frame": frame,
+            "status": status,
+            "explained": list(explained),
+            "files": files,
+            "layers": layers,
+        }
+
+    empty = {"files": {"overlay": "c_overlay.png"}, "empty": True}
+    frame = {"files": {"overlay": "v_3_overlay.png"}}
+    rows = [
+        row("a", layers=["first"]),
+        row("b", "error"),
+        row("d", "error"),
+        row("c", explained=[empty]),
+        row("d", layers=["later"]),
+        row("e"),
+        row("v.mp4", explained=[frame], frame=3),
+    ]
+    (tmp_path / "manifest.rank0.jsonl").write_text("".join(manifest.dumps(r) + "\n" for r in rows))
+
+    # Buckets (a, b), (c, d), (e, v.mp4#3): the first is counted row by row (no layers yet),
+    # the others in bulk, where c and the frame are still counted in full.
+    merged = merging.merge(tmp_path, ["a", "b", "c", "d", "e", "v.mp4#3"], [])
+
+    assert (merged.ok, merged.empty_maps, merged.layers) == (5, 1, ["first"])
+    assert merged.failures == [row("b", "error")]
+    assert merged.overlays == {"v.mp4#3": "v_3_overlay.png"}
+    lines = (tmp_path / manifest.ROWS).read_text().splitlines()
+    assert [json.loads(line)["input"] for line in lines] == ["a", "b", "c", "d", "e", "v.mp4"]
+    assert json.loads(lines[3])["status"] == "ok"  # d's later row

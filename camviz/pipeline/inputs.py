@@ -59,8 +59,8 @@ from PIL import Image
 from camviz.core.errors import CamvizError
 from camviz.io.files import not_a_regular_file
 from camviz.io.volumes import is_volume, volume_stem
-from camviz.pipeline.manifest import item_key
 from camviz.pipeline.naming import rank_clash
+from camviz.pipeline.rows import item_key
 
 #: File extensions taken as videos; everything else is read as an image.
 VIDEO_SUFFIXES = frozenset({".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg"})
@@ -102,7 +102,7 @@ class Item:
     @property
     def key(self) -> str:
         """What identifies this item across runs (see
-        :func:`camviz.pipeline.manifest.item_key`)."""
+        :func:`camviz.pipeline.rows.item_key`)."""
         return item_key(self.path, self.frame)
 
 

@@ -36,7 +36,6 @@ Every row is strict JSON: a float that is not finite is written as ``null``, nev
 from __future__ import annotations
 
 import base64
-import binascii
 import contextlib
 import gc
 import json
@@ -51,6 +50,7 @@ from typing import Any, NamedTuple
 
 from camviz.core.errors import CamvizError
 from camviz.io.atomic import atomic_write, is_temporary
+from camviz.pipeline.rows import Row, explained_ok, is_row, parse_lines, parsed, row_key
 
 #: The merged row log, one JSON object per line.
 ROWS = "manifest.jsonl"
@@ -60,8 +60,6 @@ SUMMARY = "manifest.json"
 
 _PART = "manifest.rank{rank}.jsonl"
 _PARTS = "manifest.rank*.jsonl"
-
-Row = dict[str, Any]
 
 
 def dumps(content: Any, **options: Any) -> str:
@@ -87,26 +85,6 @@ def input_fields(path: str) -> dict[str, str]:
     if text.encode("utf-8") == raw:
         return {"input": text}
     return {"input": text, "input_bytes": base64.b64encode(raw).decode("ascii")}
-
-
-def item_key(path: str, frame: int | None) -> str:
-    """What identifies an input across runs: its path, with ``#N`` added for frame ``N`` of
-    a video. (Here, not among the inputs, so that reading a manifest needs no PyTorch.)"""
-    return path if frame is None else f"{path}#{frame}"
-
-
-def row_path(row: Row) -> str:
-    """The path of the input a row describes, as this process names it."""
-    if "input_bytes" in row:
-        return os.fsdecode(base64.b64decode(row["input_bytes"], validate=True))
-    return str(row["input"])
-
-
-def row_key(row: Row) -> str:
-    """The key of the input a row describes (see :func:`item_key`)."""
-    if "input_bytes" not in row and row.get("frame") is None:
-        return str(row["input"])  # most rows: the key is the input (a million in a merge)
-    return item_key(row_path(row), row.get("frame"))
 
 
 def log_path(out: Path, rank: int, world_size: int) -> Path:
@@ -194,7 +172,7 @@ def _not_a_file(path: Path) -> str:
 def scan(out: Path) -> Iterator[Row | None]:
     """Every line of ``out``'s log and parts, in the order written: the row, or ``None`` for
     a line that is not a camviz row (see the module docstring). A chunk of lines at a time
-    (:func:`batches`), so a million rows cost no more memory than a few thousand."""
+    (:func:`batches`), so a million rows cost no more memory than a few hundred."""
     for batch in batches(out):
         yield from batch.rows
 
@@ -224,7 +202,7 @@ def batches(out: Path) -> Iterator[Batch]:
                 lines.pop()  # the empty "line" after the last line end
             if "\r" in text:
                 lines = [line.rstrip("\r") for line in lines]
-            rows, keys = _rows(lines)
+            rows, keys = parse_lines(lines)
             if "NaN" in text or "Infinity" in text:
                 lines = [_strict(row, line) for row, line in zip(rows, lines, strict=True)]
             yield Batch(rows, keys, lines)
@@ -251,7 +229,7 @@ def done_keys(out: Path) -> set[str]:
                 files = row["files"]
                 if (
                     row.get("status") == "ok"
-                    and (row.get("explained") == [] or _explained_ok(row))
+                    and (row.get("explained") == [] or explained_ok(row))
                     and (not files or all((out / name).is_file() for name in files))
                 ):
                     done.add(key)  # type: ignore[arg-type]  # a row has a key
@@ -281,9 +259,6 @@ def _logs(out: Path) -> list[Path]:
     return [path for path in paths if path.exists() or path.is_symlink()]
 
 
-_DECODER = json.JSONDecoder()
-_SCAN_ONCE = _DECODER.scan_once  # type: ignore[attr-defined]  # raw_decode without its frame
-
 #: Bytes read at a time: a chunk of lines is decoded, split and parsed together. (Small
 #: enough that its rows stay in the processor's cache while they are looked at: a scan of
 #: chunks of a MiB took 1.3 times as long.)
@@ -304,50 +279,6 @@ def _chunks(path: Path) -> Iterator[str]:
             yield data.decode("utf-8", "replace")
 
 
-def _rows(lines: list[str]) -> tuple[list[Row | None], list[str | None]]:
-    """Each line's row (:func:`is_row`) and key, ``None`` for a line that is not a row. A
-    line that holds one JSON value and nothing else, as camviz writes them, is parsed once
-    (any other goes through :func:`_parsed`), and a still image's row is told by a few
-    lookups (the checks of :func:`is_row` for a row without ``frame`` or ``input_bytes``)."""
-    rows: list[Row | None] = []
-    keys: list[str | None] = []
-    for line in lines:
-        try:
-            value, end = _SCAN_ONCE(line, 0)
-        except (StopIteration, json.JSONDecodeError):  # not JSON, or space before it
-            value = _parsed(line)
-        else:
-            if end != len(line):  # space or more after the value
-                value = _parsed(line)
-        if (
-            type(value) is dict
-            and value.get("frame") is None
-            and "input_bytes" not in value
-            and type(key := value.get("input")) is str
-            and type(files := value.get("files")) is list
-            and (not files or all(map(_is_inside, files)))
-        ):
-            pass  # a still image's row: its key is its input
-        elif is_row(value):
-            key = row_key(value)
-        else:
-            value = key = None
-        rows.append(value)
-        keys.append(key)
-    return rows, keys
-
-
-def _parsed(line: str) -> Any:
-    """The JSON value of one line; ``None`` for a line that is not JSON (cut short)."""
-    if line[:1].isspace():
-        line = line.strip()
-    try:
-        value, end = _DECODER.raw_decode(line)
-    except json.JSONDecodeError:
-        return None
-    return value if end == len(line) or line[end:].isspace() else None
-
-
 def _holds_no_row(paths: Sequence[Path]) -> bool:
     """Whether the logs hold JSON objects and not one camviz row (read up to the first row,
     not through a million of them)."""
@@ -355,7 +286,7 @@ def _holds_no_row(paths: Sequence[Path]) -> bool:
     for path in paths:
         with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as file:
             for line in file:
-                row = _parsed(line.decode("utf-8", "replace"))
+                row = parsed(line.decode("utf-8", "replace"))
                 if is_row(row):
                     return False
                 objects = objects or isinstance(row, dict)
@@ -372,60 +303,6 @@ def _checked(path: Path) -> bool:
     if not stat.S_ISREG(mode):
         raise CamvizError(_not_a_file(path))
     return True
-
-
-def is_row(row: Any) -> bool:
-    """Whether ``row`` is shaped as a camviz row: an object with ``input`` a string,
-    ``files`` a list of names inside the output folder, ``frame`` (if any) a whole number or
-    null and ``input_bytes`` (if any) base64."""
-    if not isinstance(row, dict) or not isinstance(row.get("input"), str):
-        return False
-    frame = row.get("frame")
-    if frame is not None and (not isinstance(frame, int) or isinstance(frame, bool)):
-        return False
-    if not _inside(row.get("files")):
-        return False
-    if "input_bytes" in row:
-        try:
-            base64.b64decode(row["input_bytes"], validate=True)
-        except (TypeError, ValueError, binascii.Error):
-            return False
-    return True
-
-
-def _explained_ok(row: Row) -> bool:
-    """Whether ``row`` says its input was explained, with every field a later run reads:
-    ``status`` ``ok`` and ``explained`` a list of objects whose ``files`` are names inside
-    the output folder."""
-    explained = row.get("explained")
-    return (
-        row.get("status") == "ok"
-        and isinstance(explained, list)
-        and all(
-            isinstance(entry, dict)
-            and isinstance(entry.get("files"), dict)
-            and _inside(list(entry["files"].values()))
-            for entry in explained
-        )
-    )
-
-
-def _inside(names: Any) -> bool:
-    """Whether ``names`` is a list of relative paths that stay inside the output folder."""
-    return isinstance(names, list) and (not names or all(map(_is_inside, names)))
-
-
-def _is_inside(name: Any) -> bool:
-    """Whether ``name`` is a relative path that stays inside the output folder. (Without
-    ``..`` in it, no part of its normal form can start with ``..``: most names need no
-    ``normpath``.)"""
-    return (
-        isinstance(name, str)
-        and name != ""
-        and not os.path.isabs(name)
-        and "\x00" not in name
-        and (".." not in name or not os.path.normpath(name).startswith(os.pardir))
-    )
 
 
 def written_files(out: Path) -> set[Path]:

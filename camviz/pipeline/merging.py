@@ -10,8 +10,10 @@ input's bucket in the order the rows were written, and whenever :data:`HELD_ROWS
 held they are spilled, bucket by bucket, to an anonymous temporary file. Then the buckets
 are written in turn: a bucket's rows are read back in the order written into a slot per
 input (so of the rows of one input the last written is kept) and its inputs written in
-order. Memory holds one bucket's rows and those held before a spill, not the rows; each row
-is parsed once and compared with none.
+order, counted for ``manifest.json`` on the way. Memory holds one bucket's rows and those
+held before a spill, not the rows. No row is compared with another, and a row is parsed
+once, while it is read (again, to be counted, only a failure, a video frame or a row with
+an empty map). The sort of runs merged k-way that this replaced took twice the time.
 """
 
 from __future__ import annotations
