@@ -11,8 +11,9 @@ written to a temporary folder; a fresh process then times the resume scan
 (:func:`camviz.pipeline.manifest.done_keys`) and the merge
 (:func:`camviz.pipeline.merging.merge`) and reports each one's peak resident size above the
 interpreter's after its imports (``ru_maxrss``; the merge's baseline also holds the input
-keys, which a job holds anyway). Flat memory and time linear in the rows are the claims: the
-time ratio of 10^6 to 10^5 rows should be about 10 (at most 12).
+keys, which a job holds anyway), with its CPU time, the steadier figure on a shared machine.
+Flat memory and time linear in the rows are the claims: the time ratio of 10^6 to 10^5 rows
+should be about 10 (at most 12).
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ from camviz.pipeline import manifest, merging
 out, task, rows = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 keys = [f"photos/{number:07d}.png" for number in range(rows)] if task == "merge" else []
 baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 if task == "scan":
     manifest.done_keys(out)
 else:
     merging.merge(out, keys, [])
-seconds = time.perf_counter() - start
+seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"seconds": seconds, "above_mib": (peak - baseline) / 1024}))
+print(json.dumps({"seconds": seconds, "cpu": cpu, "above_mib": (peak - baseline) / 1024}))
 """
 
 
@@ -76,23 +77,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
     arguments = parser.parse_args()
-    seconds: dict[int, float] = {}
+    seconds: dict[int, tuple[float, float]] = {}  # wall-clock and CPU time
     for rows in arguments.rows:
         with tempfile.TemporaryDirectory() as folder:
             out = Path(folder)
             write_parts(out, rows)
             scan = measure(out, "scan", rows)
             merge = measure(out, "merge", rows)
-        seconds[rows] = scan["seconds"] + merge["seconds"]
+        seconds[rows] = (scan["seconds"] + merge["seconds"], scan["cpu"] + merge["cpu"])
         print(
-            f"{rows:>9,} rows: scan {scan['seconds']:6.2f} s (+{scan['above_mib']:5.1f} MiB), "
-            f"merge {merge['seconds']:6.2f} s (+{merge['above_mib']:5.1f} MiB)"
+            f"{rows:>9,} rows: scan {scan['seconds']:6.2f} s (CPU {scan['cpu']:5.2f} s, "
+            f"+{scan['above_mib']:5.1f} MiB), merge {merge['seconds']:6.2f} s "
+            f"(CPU {merge['cpu']:5.2f} s, +{merge['above_mib']:5.1f} MiB)"
         )
     smallest, largest = min(seconds), max(seconds)
     if largest != smallest:
-        ratio = seconds[largest] / seconds[smallest]
-        linear = largest / smallest
-        print(f"time ratio {largest:,} / {smallest:,} rows: {ratio:.1f} (linear: {linear:.0f})")
+        wall, cpu = (seconds[largest][i] / seconds[smallest][i] for i in (0, 1))
+        print(
+            f"time ratio {largest:,} / {smallest:,} rows: {wall:.1f}, CPU {cpu:.1f} "
+            f"(linear: {largest / smallest:.0f})"
+        )
 
 
 if __name__ == "__main__":
