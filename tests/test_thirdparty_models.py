@@ -340,7 +340,9 @@ def test_a_unit_of_the_yolo_heads_input_as_the_issue_spells_it_is_its_first_leve
     with pytest.warns(UserWarning, match=match):
         whole = camviz.explain(model, images, target=parse_unit("unit:model.22:input@0-3"))
     first = camviz.explain(model, images, target=parse_unit("unit:model.22:input[0][0]@0-3"))
-    assert whole.layers == first.layers
+    # Explained at the last map before model.15, whose output the first level is (model.14
+    # concatenates the upsampled P4 with the backbone's P3).
+    assert whole.layers == first.layers == ["model.14"]
     torch.testing.assert_close(whole.heatmaps, first.heatmaps)
     torch.testing.assert_close(whole.scores, levels[0][:, :4].mean((2, 3)).T.reshape(-1))
 
