@@ -25,6 +25,8 @@ from torchvision.ops import MultiScaleRoIAlign, box_iou
 
 import camviz
 from camviz.core.denseheads import DenseRows
+from camviz.core.detection import DetectionScore
+from camviz.core.heldscores import HeldRows, copy_scores
 
 SIZE = 64
 
@@ -173,9 +175,10 @@ def test_ablationcam_on_a_detector_equals_whole_network_passes(kind: str, untouc
 
 def test_ablationcam_on_an_rcnn_pools_only_the_explained_rows() -> None:
     model = build("fasterrcnn")
-    pooled: list[int] = []
+    pooled: list[int] = []  # rows of the pyramid's channels (held passes fold the copies in)
+    width = model.backbone.out_channels
     hook = model.roi_heads.box_roi_pool.register_forward_hook(
-        lambda module, args, output: pooled.append(len(output))
+        lambda module, args, output: pooled.append(output.shape[0] * output.shape[1] // width)
     )
     try:
         explanation = camviz.explain(
@@ -235,3 +238,44 @@ def test_the_dense_head_shortcut_gives_the_plain_gradient(
             torch.testing.assert_close(
                 shortened[name].maps_by_layer[level], maps, atol=1e-5 * scale, rtol=1e-5
             )
+
+
+@pytest.mark.parametrize("with_box", [False, True])
+def test_held_scores_equal_torchvision_post_processing(
+    with_box: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batched scores of held copies against torchvision's post-processing of each copy,
+    on random rows of 4 overlapping proposals: NMS suppresses among them, and with one
+    detection kept of 8 candidates the copies where the object may be cut go through
+    torchvision's path. The image was halved in height by the transform."""
+    model = build("fasterrcnn")
+    heads = model.roi_heads
+    generator = torch.Generator().manual_seed(4)
+    copies, rows, classes = 32, 4, 3
+    corners = torch.tensor([[10.0, 12.0, 40.0, 44.0]]) + torch.randn(rows, 4, generator=generator)
+    held = HeldRows(
+        heads,
+        model.transform,
+        torch.randn(copies * rows, classes, generator=generator),
+        torch.randn(copies * rows, classes * 4, generator=generator) * 0.3,
+        corners,
+        (SIZE, SIZE),
+        (2 * SIZE, SIZE),
+    )
+    reader = camviz.Detection(0).reader(None)
+    for limit, overlap in ((10, 0.5), (1, 0.3)):
+        monkeypatch.setattr(heads, "detections_per_img", limit)
+        monkeypatch.setattr(heads, "nms_thresh", overlap)
+        for label in (1, 2, -1):
+            score = DetectionScore(
+                boxes=torch.tensor([[10.0, 24.0, 40.0, 88.0]]),
+                labels=torch.tensor([label]),
+                reference=torch.tensor([[12.0, 20.0, 42.0, 90.0]]),
+                indices=None,
+                iou=0.3,
+                with_box=with_box,
+                read=reader,
+            )
+            expected = held.torchvision_scores(score, 0, torch.arange(copies))
+            assert label < 0 or expected.count_nonzero() > copies // 4
+            torch.testing.assert_close(copy_scores(held, score, 0), expected, atol=0, rtol=0)
