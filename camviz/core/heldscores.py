@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 from torchvision.ops import box_iou
 from torchvision.ops.boxes import clip_boxes_to_image
