@@ -190,8 +190,11 @@ class DenseRows:
             score, [leaves[key] for key in keys], retain_graph=True, allow_unused=True
         )
         weights = {key: grad for key, grad in zip(keys, grads, strict=True) if grad is not None}
+        # An anchor is used where its gradient has a non-zero (or NaN) value: one pass over
+        # each leaf's gradient (a reduction of the magnitudes, the cheapest that tells).
         used = (
-            torch.stack([weight.ne(0).flatten(2).any(2) for weight in weights.values()]).any(0)
+            torch.stack([weight.flatten(2).abs().amax(2) for weight in weights.values()]).amax(0)
+            != 0
             if weights
             else None
         )
