@@ -212,7 +212,8 @@ def test_the_dense_head_shortcut_gives_the_plain_gradient(
     raw = {"relu": False, "normalize": False}
     with torch.no_grad():
         found = model(batch)
-    # the IoU with a box off the detection's own (by 15 % of its sides), so that the box term has a gradient
+    # the IoU with a box off the detection's own (by 15 % of its sides): the box term has a
+    # gradient
     boxes = torch.stack([image["boxes"][:1] for image in found])
     sides = (boxes[..., 2:] - boxes[..., :2]).repeat(1, 1, 2)
     shifted = boxes + 0.15 * sides
