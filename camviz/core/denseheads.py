@@ -74,6 +74,9 @@ _FCOS_OUTPUTS: dict[str, tuple[str, int | None]] = {
     "bbox_regression": ("regression_head", 0),
     "bbox_ctrness": ("regression_head", 1),
 }
+# F.conv2d's arguments, and the defaults of those after the weight.
+_CONV_ARGUMENTS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 # (image, y, x) of a used location on one level.
 Location = tuple[int, int, int]
 
@@ -385,9 +388,8 @@ class _ValidConvolutions(CallMode):
     def call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func is not F.conv2d:
             return func(*args, **kwargs)
-        names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-        given = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
-        given.update(zip(names, args, strict=False))
+        given: dict[str, Any] = dict(_CONV_DEFAULTS)
+        given.update(zip(_CONV_ARGUMENTS, args, strict=False))
         given.update(kwargs)
         inputs, weight = given.pop("input"), given["weight"]
         pairs = zip(

@@ -117,7 +117,8 @@ class HeldDetector:
         ``scores`` (the explained score functions) allow it; otherwise the output is scored
         as usual."""
         copies = 1
-        held = HeldPass(sample, list(scores) if self._scorable(scores) else [])
+        fns = [fn for fn in scores if isinstance(fn, DetectionScore)]
+        held = HeldPass(sample, fns if self._scorable(scores) else [])
         original: list[tuple[int, int]] = []
 
         def first_only(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:

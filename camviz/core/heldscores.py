@@ -80,10 +80,10 @@ class HeldRows:
 
 def copy_scores(rows: HeldRows, score: DetectionScore, sample: int) -> torch.Tensor:
     """``(R,)``: ``score`` (an object of image ``sample``) in each copy of ``rows``."""
-    heads, count = rows.heads, rows.copies
+    heads: Any = rows.heads  # torchvision's RoIHeads: its thresholds and box coder
+    count = rows.copies
     per_copy = len(rows.proposals)
-    box_coder: Any = heads.box_coder
-    boxes = box_coder.decode(rows.regression, [rows.proposals] * count)
+    boxes = heads.box_coder.decode(rows.regression, [rows.proposals] * count)
     scores = F.softmax(rows.logits, -1)
     boxes = clip_boxes_to_image(boxes, rows.size)
     classes = scores.shape[-1]
