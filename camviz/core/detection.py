@@ -279,13 +279,6 @@ class DetectionScore:
             scores.append(self._score(detections, index, image, row))
         return torch.stack(scores) if scores else self.boxes.new_zeros(0)
 
-    @property
-    def reads_output(self) -> bool:
-        """Whether it reads the model's output as it is (no adapter, no output key): a
-        torchvision detector's own list of detections."""
-        read = self.read
-        return isinstance(read, _Reader) and read.adapter is None and read.output_key is None
-
     def _score(
         self, detections: Mapping[str, torch.Tensor], index: int | None, image: int, row: int
     ) -> torch.Tensor:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from camviz.core.detection import DetectionScore
-from camviz.core.heldscores import HeldRows, copy_scores
+from camviz.core.heldscores import HeldRows, copy_scores, reads_output
 from camviz.core.modelstate import HookSet
 from camviz.core.roiheads import RoIRows
 from camviz.core.taps import parse
@@ -117,8 +117,8 @@ class HeldDetector:
         ``scores`` (the explained score functions) allow it; otherwise the output is scored
         as usual."""
         copies = 1
-        fns = [fn for fn in scores if isinstance(fn, DetectionScore)]
-        held = HeldPass(sample, fns if self._scorable(scores) else [])
+        fns = cast(list[DetectionScore], list(scores)) if self._scorable(scores) else []
+        held = HeldPass(sample, fns)
         original: list[tuple[int, int]] = []
 
         def first_only(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -164,7 +164,7 @@ class HeldDetector:
             len(kinds) == 2
             and type(heads) is kinds[0]
             and type(transform) is kinds[1]
-            and all(isinstance(fn, DetectionScore) and fn.reads_output for fn in scores)
+            and all(reads_output(fn) for fn in scores)
         )
 
     def _held_proposals(

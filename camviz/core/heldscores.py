@@ -29,7 +29,7 @@ from torch import nn
 from torchvision.ops import box_iou
 from torchvision.ops.boxes import clip_boxes_to_image
 
-from camviz.core.detection import DetectionScore
+from camviz.core.detection import Detection, DetectionScore
 
 # torchvision's post-processing: the least side of a kept box, and the number of coordinates
 # above which its batched NMS runs per class on CPU (without the coordinate offsets).
@@ -76,6 +76,13 @@ class HeldRows:
             detections = [{"boxes": boxes[0], "scores": scores[0], "labels": labels[0]}]
             found += self.transform.postprocess(detections, [self.size], [self.original])  # type: ignore[operator]
         return score(found, torch.full((len(found),), sample, dtype=torch.long))
+
+
+def reads_output(score: object) -> bool:
+    """Whether the score function ``score`` is a :class:`~camviz.Detection`'s that reads the
+    model's output as it is (no adapter, no output key): a torchvision detector's own list of
+    detections. Asked of its reader, which only such a score has."""
+    return getattr(score, "read", None) == Detection(0).reader(None)
 
 
 def copy_scores(rows: HeldRows, score: DetectionScore, sample: int) -> torch.Tensor:
