@@ -152,18 +152,24 @@ class HeldDetector:
 
     def _scorable(self, scores: Sequence[object]) -> bool:
         """Whether copies can be scored from the box predictor's rows (:mod:`heldscores`):
-        torchvision's own R-CNN classes as the model, and :class:`~camviz.Detection`'s
-        scores read from its output as it is."""
+        the model is a torchvision R-CNN with its own forward, RoI heads and transform, and
+        the scores are :class:`~camviz.Detection`'s, read from its output as it is."""
         if not scores or self.rows is None or not self.whole or self.detector.training:
             return False
         kinds = torchvision_classes(
-            {"roi_heads": "RoIHeads", "transform": "GeneralizedRCNNTransform"}
+            {
+                "generalized_rcnn": "GeneralizedRCNN",
+                "roi_heads": "RoIHeads",
+                "transform": "GeneralizedRCNNTransform",
+            }
         )
-        heads, transform = self.detector.roi_heads, self.detector.transform
+        if len(kinds) != 3:
+            return False
+        rcnn, heads, transform = kinds
         return (
-            len(kinds) == 2
-            and type(heads) is kinds[0]
-            and type(transform) is kinds[1]
+            getattr(type(self.detector), "forward", None) is getattr(rcnn, "forward", None)
+            and type(self.detector.roi_heads) is heads
+            and type(self.detector.transform) is transform
             and all(reads_output(fn) for fn in scores)
         )
 
