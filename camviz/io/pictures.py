@@ -37,14 +37,15 @@ from typing import TYPE_CHECKING, Literal, TypeAlias
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
-from torchvision.transforms.v2.functional import resize
 from torchvision.utils import make_grid
 
 from camviz.core.errors import CamvizError
 from camviz.core.maps import normalize as normalize_maps
 from camviz.core.maps import upsample
+from camviz.io.blending import Blend, blend, resized_pixels
 from camviz.io.colormaps import apply, lookup_table
 from camviz.io.images import to_rgb
+from camviz.io.titles import draw_title
 
 if TYPE_CHECKING:
     from matplotlib.colors import Colormap
@@ -149,11 +150,8 @@ def overlay(
     Returns:
         An RGB image of ``image.size``.
     """
-    _check_alpha(alpha)
-    pixels = _pixels(as_rgb(image), device)
-    height, width = pixels.shape[:2]
-    values = resized_map(clipped(as_map(heatmap, pixels.device), clip), (width, height))
-    return _picture(blend(pixels, values, alpha, lookup_table(colormap)))
+    drawing = _drawing(image, heatmap, alpha, colormap, clip, device)
+    return _picture(drawing.blended(drawing.size))
 
 
 def panel_image(
@@ -183,25 +181,55 @@ def panel_image(
         width: Width of each of the three pictures, in pixels.
         device: Where the pictures are computed; see :func:`overlay`.
     """
+    return _panel(_drawing(image, heatmap, alpha, colormap, clip, device), title, width)
+
+
+def overlay_and_panel(
+    image: Image.Image,
+    heatmap: Heatmap,
+    *,
+    title: str = "",
+    alpha: float = 0.5,
+    colormap: str | Colormap = "jet",
+    clip: float | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[Image.Image, Image.Image]:
+    """:func:`overlay` and :func:`panel_image` of one photo and map (the same pictures),
+    drawn together, so that what both hold is made once: for a photo 400 pixels wide the
+    panel's overlay tile is the overlay itself. The folder job draws its files with it."""
+    drawing = _drawing(image, heatmap, alpha, colormap, clip, device)
+    return _picture(drawing.blended(drawing.size)), _panel(drawing, title, PANEL_TILE_WIDTH)
+
+
+def _drawing(
+    image: Image.Image,
+    heatmap: Heatmap,
+    alpha: float,
+    colormap: str | Colormap,
+    clip: float | None,
+    device: torch.device | str | None,
+) -> Blend:
+    """The photo and the map, checked, on ``device``, ready to be drawn."""
     _check_alpha(alpha)
-    rgb = as_rgb(image)
-    size = (width, max(1, round(rgb.height * width / rgb.width)))
-    pixels = _resized_pixels(_pixels(rgb, device), size)
-    values = resized_map(clipped(as_map(heatmap, pixels.device), clip), size)
-    colours = apply(values, lookup_table(colormap))  # once, for the heatmap and the overlay
+    pixels = _pixels(as_rgb(image), device)
+    values = clipped(as_map(heatmap, pixels.device), clip)
+    return Blend(pixels, values, lookup_table(colormap), alpha)
+
+
+def _panel(drawing: Blend, title: str, width: int) -> Image.Image:
+    """The panel of :func:`panel_image`: three pictures ``width`` wide, captioned, titled."""
+    size = (width, max(1, round(drawing.size[1] * width / drawing.size[0])))
+    pixels = drawing.photo(size)
     gap = torch.full((size[1], _PANEL_GAP, 3), 255, dtype=torch.uint8, device=pixels.device)
     # The three pictures side by side with their gaps: one copy back to the CPU.
-    strip = torch.cat([pixels, gap, colours, gap, blend_colours(pixels, colours, alpha)], dim=1)
+    tiles = [pixels, gap, drawing.colours(size), gap, drawing.blended(size)]
+    strip = torch.cat(tiles, dim=1)
     top = _PANEL_GAP + (_TITLE_SIZE + _PANEL_GAP if title else 0)
     picture_top = top + _CAPTION_SIZE + _PANEL_GAP // 2
     canvas = Image.new(
         "RGB", (3 * width + 4 * _PANEL_GAP, picture_top + size[1] + _PANEL_GAP), "white"
     )
-    if title:
-        font = ImageFont.load_default(_TITLE_SIZE)
-        ImageDraw.Draw(canvas).text(
-            (canvas.width / 2, _PANEL_GAP), title, fill="black", font=font, anchor="ma"
-        )
+    draw_title(canvas, title, _PANEL_GAP, _TITLE_SIZE)
     canvas.paste(_panel_captions(width), (0, top))
     canvas.paste(_picture(strip), (_PANEL_GAP, picture_top))
     return canvas
@@ -432,16 +460,6 @@ def _pixels(rgb: Image.Image, device: torch.device | str | None) -> torch.Tensor
     return pixels if device is None else pixels.to(device)
 
 
-def _resized_pixels(pixels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """``(H, W, 3)`` uint8 pixels resized (antialiased bilinear, as Pillow's) to Pillow's
-    ``(width, height)``, on their device."""
-    width, height = size
-    if pixels.shape[:2] == (height, width):
-        return pixels
-    resized = resize(pixels.permute(2, 0, 1), [height, width], antialias=True)
-    return resized.permute(1, 2, 0)
-
-
 def _picture(pixels: torch.Tensor) -> Image.Image:
     """``(H, W, 3)`` uint8 pixels from any device as a Pillow image (one copy to the CPU)."""
     return Image.fromarray(pixels.cpu().numpy())
@@ -451,20 +469,6 @@ def resized_map(values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Bilinear resize of an ``(h, w)`` map to Pillow's ``(width, height)``."""
     width, height = size
     return upsample(values.unsqueeze(0), (height, width))[0].clamp(0, 1)
-
-
-def blend(
-    pixels: torch.Tensor, values: torch.Tensor, alpha: float, table: torch.Tensor
-) -> torch.Tensor:
-    """``(H, W, 3)`` uint8 pixels blended with the colours of ``(H, W)`` values in ``[0, 1]``,
-    ``round((1 - alpha) * pixel + alpha * colour)``, on the tensors' device (a GPU too)."""
-    return blend_colours(pixels, apply(values, table), alpha)
-
-
-def blend_colours(pixels: torch.Tensor, colours: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``(H, W, 3)`` uint8 pixels blended with ``(H, W, 3)`` uint8 colours (see :func:`blend`)."""
-    blended = pixels.float().mul_(1 - alpha).add_(colours.float(), alpha=alpha)
-    return blended.round_().to(torch.uint8)
 
 
 def _check_alpha(alpha: float) -> None:
@@ -560,7 +564,7 @@ def detection_panel(
     rgb = as_rgb(image)
     scale = width / rgb.width
     size = (width, max(1, round(rgb.height * scale)))
-    pixels = _resized_pixels(_pixels(rgb, None), size)
+    pixels = resized_pixels(_pixels(rgb, None), size)
     table = lookup_table(colormap)
     scaled = [[value * scale for value in box] for box in boxes]
     everything = _picture(pixels)
@@ -583,10 +587,8 @@ def _tile_grid(
     top = _PANEL_GAP + (_TITLE_SIZE + _PANEL_GAP if title else 0)
     cell = (size[0] + _PANEL_GAP, _CAPTION_SIZE + _PANEL_GAP // 2 + size[1] + _PANEL_GAP)
     canvas = Image.new("RGB", (columns * cell[0] + _PANEL_GAP, top + rows * cell[1]), "white")
+    draw_title(canvas, title, _PANEL_GAP, _TITLE_SIZE)
     draw = ImageDraw.Draw(canvas)
-    if title:
-        font = ImageFont.load_default(_TITLE_SIZE)
-        draw.text((canvas.width / 2, _PANEL_GAP), title, fill="black", font=font, anchor="ma")
     font = ImageFont.load_default(_CAPTION_SIZE)
     for number, (caption, tile) in enumerate(tiles):
         left = _PANEL_GAP + (number % columns) * cell[0]
