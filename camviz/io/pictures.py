@@ -219,25 +219,24 @@ def _drawing(
 def _panel(drawing: Blend, title: str, width: int) -> Image.Image:
     """The panel of :func:`panel_image`: three pictures ``width`` wide, captioned, titled."""
     size = (width, max(1, round(drawing.size[1] * width / drawing.size[0])))
-    pixels = drawing.photo(size)
-    gap = torch.full((size[1], _PANEL_GAP, 3), 255, dtype=torch.uint8, device=pixels.device)
-    # The three pictures side by side with their gaps: one copy back to the CPU.
-    tiles = [pixels, gap, drawing.colours(size), gap, drawing.blended(size)]
-    strip = torch.cat(tiles, dim=1)
     top = _PANEL_GAP + (_TITLE_SIZE + _PANEL_GAP if title else 0)
     picture_top = top + _CAPTION_SIZE + _PANEL_GAP // 2
-    canvas = Image.new(
-        "RGB", (3 * width + 4 * _PANEL_GAP, picture_top + size[1] + _PANEL_GAP), "white"
-    )
-    draw_title(canvas, title, _PANEL_GAP, _TITLE_SIZE)
-    canvas.paste(_panel_captions(width), (0, top))
-    canvas.paste(_picture(strip), (_PANEL_GAP, picture_top))
-    return canvas
+    # Laid out as one array, the white canvas and the captions copied in: one picture made.
+    captions = _panel_captions(width)
+    canvas = np.full((picture_top + size[1] + _PANEL_GAP, captions.shape[1], 3), 255, np.uint8)
+    canvas[top:picture_top] = captions
+    tiles = (drawing.photo(size), drawing.colours(size), drawing.blended(size))
+    for number, tile in enumerate(tiles):  # each comes back from the device once
+        left = _PANEL_GAP + number * (width + _PANEL_GAP)
+        canvas[picture_top : picture_top + size[1], left : left + width] = tile.cpu().numpy()
+    picture = Image.fromarray(canvas)
+    draw_title(picture, title, _PANEL_GAP, _TITLE_SIZE)
+    return picture
 
 
 @functools.cache
-def _panel_captions(width: int) -> Image.Image:
-    """The row of :func:`panel_image`'s captions for pictures ``width`` wide, down to where
+def _panel_captions(width: int) -> np.ndarray:
+    """The rows of :func:`panel_image`'s captions for pictures ``width`` wide, down to where
     the pictures begin, drawn once: rendering text took a third of a panel's drawing."""
     size = (3 * width + 4 * _PANEL_GAP, _CAPTION_SIZE + _PANEL_GAP // 2)
     canvas = Image.new("RGB", size, "white")
@@ -246,7 +245,7 @@ def _panel_captions(width: int) -> Image.Image:
     for number, caption in enumerate(("image", "heatmap", "overlay")):
         left = _PANEL_GAP + number * (width + _PANEL_GAP)
         draw.text((left + width / 2, 0), caption, fill="black", font=font, anchor="ma")
-    return canvas
+    return np.asarray(canvas)
 
 
 def clipped(values: torch.Tensor, percentile: float | None) -> torch.Tensor:

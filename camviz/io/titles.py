@@ -10,11 +10,16 @@ Words are set one space apart, as Pillow sets them, the line centred.
 from __future__ import annotations
 
 import functools
+import threading
 
 from PIL import Image, ImageDraw, ImageFont
 
 # Words whose masks are kept (a few hundred bytes each).
 _KEPT_WORDS = 4096
+
+# One font object serves every writer thread; FreeType's faces are not thread-safe, so a
+# word is rendered (when it is not kept yet) under this lock.
+_RENDERING = threading.Lock()
 
 
 def draw_title(canvas: Image.Image, title: str, top: int, size: int) -> None:
@@ -23,7 +28,7 @@ def draw_title(canvas: Image.Image, title: str, top: int, size: int) -> None:
     if not title:
         return
     words = title.split(" ")
-    space = ImageFont.load_default(size).getlength(" ")
+    space = _word(" ", size)[1]
     length = sum(_word(word, size)[1] for word in words) + space * (len(words) - 1)
     left = canvas.width / 2 - length / 2
     for word in words:
@@ -33,15 +38,22 @@ def draw_title(canvas: Image.Image, title: str, top: int, size: int) -> None:
         left += advance + space
 
 
+@functools.cache
+def _font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
+    """Pillow's default font of ``size`` (made from its bytes on each call of Pillow's)."""
+    return ImageFont.load_default(size)
+
+
 @functools.lru_cache(maxsize=_KEPT_WORDS)
 def _word(word: str, size: int) -> tuple[Image.Image | None, float, tuple[int, int]]:
     """One word: its glyphs' coverage (``None`` when it has none), its advance, and where
     the coverage starts from the pen at the ascender line."""
-    font = ImageFont.load_default(size)
-    advance = font.getlength(word)
-    left, top, right, bottom = (int(edge) for edge in font.getbbox(word, anchor="la"))
-    if right <= left or bottom <= top:
-        return None, advance, (0, 0)
-    mask = Image.new("L", (right - left, bottom - top), 0)
-    ImageDraw.Draw(mask).text((-left, -top), word, fill=255, font=font, anchor="la")
+    font = _font(size)
+    with _RENDERING:
+        advance = font.getlength(word)
+        left, top, right, bottom = (int(edge) for edge in font.getbbox(word, anchor="la"))
+        if right <= left or bottom <= top:
+            return None, advance, (0, 0)
+        mask = Image.new("L", (right - left, bottom - top), 0)
+        ImageDraw.Draw(mask).text((-left, -top), word, fill=255, font=font, anchor="la")
     return mask, advance, (left, top)
