@@ -98,8 +98,11 @@ class Preprocessed(Dataset):
         return self.preprocess(load_image(self.paths[index]))
 
 
-def median_rates(variants: dict[str, Callable[[], int]], repeat: int) -> dict[str, float]:
-    """Images per second of each variant, the median of its ``repeat`` passes.
+def median_rates(
+    variants: dict[str, Callable[[], int]], repeat: int
+) -> dict[str, tuple[float, float]]:
+    """Images per second of each variant and its CPU milliseconds per image (this process's
+    threads and its DataLoader workers), the medians of its ``repeat`` passes.
 
     Every variant runs once to warm up; then the variants take turns, ``repeat`` rounds,
     so that a busy spell on the machine does not fall on one variant only.
@@ -107,12 +110,18 @@ def median_rates(variants: dict[str, Callable[[], int]], repeat: int) -> dict[st
     for run in variants.values():
         run()
     rates: dict[str, list[float]] = {name: [] for name in variants}
+    costs: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeat):
         for name, run in variants.items():
-            start = time.perf_counter()
+            before, start = os.times(), time.perf_counter()
             count = run()
             rates[name].append(count / (time.perf_counter() - start))
-    return {name: statistics.median(values) for name, values in rates.items()}
+            after = os.times()  # the workers have ended: their time is in children_*
+            spent = sum(after[:4]) - sum(before[:4])
+            costs[name].append(spent * 1000 / count)
+    return {
+        name: (statistics.median(rates[name]), statistics.median(costs[name])) for name in rates
+    }
 
 
 def writer_steps(loaded: Any, paths: list[Path], out: Path, repeat: int) -> dict[str, float]:
@@ -257,10 +266,11 @@ def main() -> None:
         f"torch threads, {os.cpu_count()} CPUs, torch {torch.__version__}, CPU capability "
         f"{torch.backends.cpu.get_cpu_capability()}, median of {args.repeat} rounds\n"
     )
-    print("| variant | images/s | vs inference |")
-    print("| --- | --- | --- |")
-    for name, rate in rates.items():
-        print(f"| {name} | {rate:.1f} | {rate / rates['inference']:.2f}x |")
+    print("| variant | images/s | vs inference | CPU ms per image |")
+    print("| --- | --- | --- | --- |")
+    reference = rates["inference"][0]
+    for name, (rate, cost) in rates.items():
+        print(f"| {name} | {rate:.1f} | {rate / reference:.2f}x | {cost:.0f} |")
 
 
 if __name__ == "__main__":
