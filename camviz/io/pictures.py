@@ -1,19 +1,21 @@
-"""Pictures drawn with torch and Pillow: colours, overlays, panels, channel grids, boxes.
+"""Pictures drawn with torch, OpenCV and Pillow: colours, overlays, panels, grids, boxes.
 
 This is the batch path of ``camviz explain``, and it never imports matplotlib (about 2 s,
 and a global font cache): maps are coloured with the look-up tables of
 :mod:`camviz.io.colormaps` (the same colours as matplotlib's; only a colour map whose table
-does not ship is asked of matplotlib), blended with torch and captioned with Pillow's font,
-a few tensor operations per picture. The matplotlib figures are in :mod:`camviz.io.figures`,
-files in :mod:`camviz.io.output`; users reach all three through :mod:`camviz.render`.
+does not ship is asked of matplotlib), blended (:mod:`camviz.io.blending`) and captioned
+with Pillow's font (titles from words rendered once, :mod:`camviz.io.titles`), a few array
+operations per picture. The matplotlib figures are in :mod:`camviz.io.figures`, files in
+:mod:`camviz.io.output`; users reach all three through :mod:`camviz.render`.
 
 Heatmaps are ``(H, W)`` torch tensors or numpy arrays with values in ``[0, 1]``, such as
 one row of :attr:`camviz.Explanation.heatmaps`. They may come from any device. Overlays and
-panels are computed with torch on the CPU, or with ``device="cuda"`` on the GPU: the photo
-goes up once, the map is resized, coloured and blended there, and each picture comes back
-once, as uint8, to be encoded. The same code runs on both; on the CPU torchvision's uint8
-resize of the panel's photo tile gives Pillow's pixels in about half Pillow's time
-(``benchmarks/bench_render_device.py``).
+panels are computed on the CPU (with OpenCV's look-up table and blend), or with
+``device="cuda"`` on the GPU with torch: the photo goes up once, the map is resized,
+coloured and blended there, and each picture comes back once, as uint8, to be encoded. On
+both, torchvision's uint8 resize of the panel's photo tile gives Pillow's pixels in about
+half Pillow's time (``benchmarks/bench_render_device.py``). :func:`overlay_and_panel` draws
+both pictures of one map and makes what they share once (the folder job's files).
 
 Overlays are drawn at the *original* image's size: the heatmap (computed at the model's
 input size) is stretched back onto the photo, not the photo squeezed to the model's size.
@@ -22,7 +24,7 @@ high percentile (``clip=99``): a few pixels hold the maximum, and unclipped the 
 looks empty.
 
 The helpers without a leading underscore that :mod:`camviz.render` does not list
-(:func:`as_map`, :func:`clipped`, :func:`blend`, ...) are shared with the figures, the
+(:func:`as_map`, :func:`clipped`, :func:`resized_map`, ...) are shared with the figures, the
 files and the command line; they are not part of the public API.
 """
 
