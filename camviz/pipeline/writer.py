@@ -2,8 +2,9 @@
 
 Drawing and encoding an image's pictures runs mostly without the GIL (OpenCV, zlib,
 libjpeg, numpy), so a few threads overlap it with the next batch; on a CPU they take their
-time from the model's threads, which is why the folder job keeps that work small. The queue is bounded: when the writers fall behind, :meth:`Writer.submit` blocks and
-the model waits, instead of results piling up in memory.
+time from the model's threads, which is why the folder job keeps that work small. The
+queue is bounded: when the writers fall behind, :meth:`Writer.submit` blocks and the model
+waits, instead of results piling up in memory.
 
 Writer threads run torch (the pictures are drawn with it) on one thread each. A torch
 operation on a second Python thread would otherwise start a second OpenMP team; with more
