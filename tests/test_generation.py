@@ -2,18 +2,31 @@
 
 The models, the tokenizer (a WordLevel vocabulary with the image token, built with the
 ``tokenizers`` package) and the processors are made offline. Each per-token map is checked
-against a hand reference: the projector's output replaced by a leaf tensor in an ordinary
-grad-enabled forward pass, the token's logit differentiated with respect to it, and
-Grad-CAM's formula written out (the mean gradient over the patches weighs the channels).
+against a hand reference. Grad-CAM: the projector's output replaced by a leaf tensor in an
+ordinary grad-enabled forward pass, the token's logit differentiated with respect to it, and
+Grad-CAM's formula written out (the mean gradient over the patches weighs the channels). The
+attention methods: the language model's attention returned by an ``eager`` pass with
+``output_attentions=True``, each token's logit differentiated with respect to it, the
+formulas of ``test_attention_methods`` on the whole matrices, and the row of the position
+that predicted the token at the base image's columns; camviz explains the model in ``sdpa``
+mode (its fused attention computed explicitly) and hands it back in its mode.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from PIL import Image
+from test_attention_methods import (
+    attention_settings,
+    hand_chefer,
+    hand_gradient_rollout,
+    hand_rollout,
+)
 
 import camviz
 from camviz.cams.llava import base_window, llava_of
@@ -27,6 +40,7 @@ WORDS += ["a", "cat", "dog", "red", "blue", "sky", "the", "on", "in", "big", "sm
 PROMPT = "USER: <image> what is this ASSISTANT:"
 PINPOINTS = [[32, 64], [64, 32], [64, 64]]
 NEW_TOKENS = 4
+IMAGE = WORDS.index("<image>")
 
 
 def _tokenizer():
@@ -52,9 +66,9 @@ def _configs(strategy: str = "default") -> dict:
         vocab_size=len(WORDS),
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
         max_position_embeddings=128,
         pad_token_id=1,
         eos_token_id=2,
@@ -62,7 +76,7 @@ def _configs(strategy: str = "default") -> dict:
     return {
         "vision_config": vision,
         "text_config": text,
-        "image_token_id": WORDS.index("<image>"),
+        "image_token_id": IMAGE,
         "vision_feature_layer": -1,
         "vision_feature_select_strategy": strategy,
     }
@@ -266,8 +280,12 @@ def test_one_line_errors(llava, photo):
     model, processor = llava
     with pytest.raises(camviz.CamvizError, match="LLaVA-style model"):
         camviz.explain_generation(torch.nn.Linear(2, 2), processor, photo, PROMPT)
-    with pytest.raises(camviz.CamvizError, match="method='gradcam'"):
+    with pytest.raises(camviz.CamvizError, match="method='gradcam' or 'attention_rollout'"):
         camviz.explain_generation(model, processor, photo, PROMPT, method="scorecam")
+    with pytest.raises(camviz.CamvizError, match="attention_rollout has no option 'layer'"):
+        camviz.explain_generation(
+            model, processor, photo, PROMPT, method="attention_rollout", layer="x"
+        )
     with pytest.raises(camviz.CamvizError, match="PIL image"):
         camviz.explain_generation(model, processor, np.asarray(photo), PROMPT)
     with pytest.raises(camviz.CamvizError, match="needs one '<image>' where the image goes"):
@@ -295,3 +313,169 @@ def test_token_figure_draws_each_token_over_its_overlay(llava, photo):
     drawn, without_maps = pixels(figure), pixels(camviz.render.token_figure(photo, blank))
     assert drawn.shape == without_maps.shape
     assert np.abs(drawn - without_maps).max() > 50  # the overlays' colours are drawn
+
+
+# --- the attention methods on the language model's attention ------------------------------
+
+
+@contextlib.contextmanager
+def _attention_implementation(model, implementation: str):
+    """Every Hugging Face config of the model set to ``implementation`` for the block, each
+    put back as it was."""
+    configs = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        pending = [config] if config is not None else []
+        while pending:
+            config = pending.pop()
+            configs[id(config)] = (config, config._attn_implementation)
+            pending += [getattr(config, key) for key in getattr(config, "sub_configs", {})]
+    for config, _ in configs.values():
+        config._attn_implementation = implementation
+    try:
+        yield
+    finally:
+        for config, before in configs.values():
+            config._attn_implementation = before
+
+
+def _eager_attention(model, processor, photo):
+    """The greedy tokens (in the model's own sdpa mode), then from an eager pass over the
+    prompt and them: each language-model block's attention ``(1, H, L, L)``, per token the
+    gradients of its logit with respect to them, the position that predicts the first one,
+    and the positions of the base image's patch tokens (the first 16 image tokens: LLaVA-NeXT
+    writes its base image first, then its tiles and newlines)."""
+    inputs = processor(images=photo, text=PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        sequence = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)
+    extra = {key: value for key, value in inputs.items() if key not in ("input_ids",)}
+    extra["attention_mask"] = torch.ones_like(sequence)
+    with _attention_implementation(model, "eager"):
+        output = model(input_ids=sequence, **extra, output_attentions=True)
+    attentions = output.attentions
+    assert len(attentions) == 2 and attentions[0].shape[-1] == sequence.shape[1]
+    start = inputs["input_ids"].shape[1] - 1
+    generated = sequence[0, start + 1 :].tolist()
+    gradients = [
+        torch.autograd.grad(output.logits[0, start + t, token], attentions, retain_graph=True)
+        for t, token in enumerate(generated)
+    ]
+    image = (inputs["input_ids"][0] == IMAGE).nonzero()[:, 0]
+    return {
+        "attentions": [attention.detach() for attention in attentions],
+        "gradients": gradients,
+        "generated": generated,
+        "start": start,
+        "columns": image[:16],
+    }
+
+
+@pytest.fixture(scope="module")
+def llava_attention(llava, photo):
+    return _eager_attention(*llava, photo)
+
+
+def _hand_maps(reference, hand) -> torch.Tensor:
+    """Per token, the row of the position that predicted it of ``hand(attentions, its
+    gradients)`` at the base image's columns, on the 4 x 4 patch grid."""
+    maps = []
+    for t, gradients in enumerate(reference["gradients"]):
+        relevance = hand(reference["attentions"], list(gradients))[0]
+        maps.append(relevance[reference["start"] + t, reference["columns"]].reshape(4, 4))
+    return torch.stack(maps)
+
+
+ATTENTION_METHODS = {
+    "attention_rollout": (hand_rollout, {}),
+    "attention_rollout-max-discard": (
+        lambda a, g: hand_rollout(a, g, "max", 0.6),
+        {"head_fusion": "max", "discard_ratio": 0.6},
+    ),
+    "gradient_rollout": (hand_gradient_rollout, {}),
+    "gradient_rollout-discard": (
+        lambda a, g: hand_gradient_rollout(a, g, 0.9),
+        {"discard_ratio": 0.9},
+    ),
+    "transformer_attribution": (hand_chefer, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_METHODS))
+def test_each_token_attention_map_is_its_row_of_the_formula(
+    case, llava, llava_attention, photo, untouched
+):
+    model, processor = llava
+    hand, options = ATTENTION_METHODS[case]
+    method = case.partition("-")[0]
+    settings = attention_settings(model)
+    assert model.config.text_config._attn_implementation == "sdpa"
+    with untouched(model):
+        generation = camviz.explain_generation(
+            model, processor, photo, PROMPT, max_new_tokens=NEW_TOKENS, method=method, **options
+        )
+    assert attention_settings(model) == settings
+    assert generation.method == method
+    assert generation.token_ids.tolist() == llava_attention["generated"]
+    maps = _hand_maps(llava_attention, hand)
+    torch.testing.assert_close(generation.layer_maps, maps, rtol=1e-5, atol=1e-8)
+    if options:  # the options change the map by ten times the tolerance: not ignored
+        plain = _hand_maps(llava_attention, ATTENTION_METHODS[method][0])
+        assert not torch.allclose(maps, plain, rtol=1e-4, atol=0)
+    inputs = processor(images=photo, text=PROMPT, return_tensors="pt")
+    window = base_window(
+        processor, llava_of(model), (40, 56), tuple(inputs["pixel_values"].shape[-2:])
+    )
+    laid = window.lay(normalize(maps.clamp_min(0)))  # as the Grad-CAM maps are laid
+    torch.testing.assert_close(generation.heatmaps, laid, rtol=1e-5, atol=1e-6)
+
+
+def test_llava_next_attention_maps_read_the_base_image_only(llava_next, photo, untouched):
+    """Its image span is 16 base tokens, then tiles with newline tokens: the map is the
+    base image's 16 columns, laid over the whole (stretched) photo."""
+    model, processor = llava_next
+    reference = _eager_attention(model, processor, photo)
+    image_tokens = processor(images=photo, text=PROMPT, return_tensors="pt")["input_ids"] == IMAGE
+    assert image_tokens.sum() > 16  # tiles and newlines after the base image
+    with untouched(model):
+        generation = camviz.explain_generation(
+            model, processor, photo, PROMPT, max_new_tokens=NEW_TOKENS, method="gradient_rollout"
+        )
+    maps = _hand_maps(reference, hand_gradient_rollout)
+    torch.testing.assert_close(generation.layer_maps, maps, rtol=1e-5, atol=1e-8)
+    laid = F.interpolate(normalize(maps.clamp_min(0))[:, None], size=(40, 56), mode="bilinear")
+    torch.testing.assert_close(generation.heatmaps, laid[:, 0], rtol=1e-5, atol=1e-6)
+
+
+def test_an_eager_model_comes_back_eager_also_after_an_error_mid_pass(
+    llava, llava_attention, photo, untouched
+):
+    """Explained in eager mode, the map is the same (the pass switched it to the fused call
+    and computed that explicitly); a failure in the explaining pass leaves it eager too."""
+    model, processor = llava
+    calls = []
+
+    def fail_after_decoding(module, args, output):
+        calls.append(1)
+        if len(calls) > NEW_TOKENS:
+            raise RuntimeError("the user's hook failed")
+
+    def explain(method):
+        return camviz.explain_generation(
+            model, processor, photo, PROMPT, max_new_tokens=NEW_TOKENS, method=method
+        )
+
+    with _attention_implementation(model, "eager"):
+        settings = attention_settings(model)
+        with untouched(model):
+            generation = explain("transformer_attribution")
+        assert attention_settings(model) == settings
+        maps = _hand_maps(llava_attention, hand_chefer)
+        torch.testing.assert_close(generation.layer_maps, maps, rtol=1e-5, atol=1e-8)
+        handle = model.model.language_model.layers[-1].register_forward_hook(fail_after_decoding)
+        try:
+            with untouched(model), pytest.raises(camviz.ModelError, match="the user's hook"):
+                explain("attention_rollout")
+        finally:
+            handle.remove()
+        assert attention_settings(model) == settings
+        assert len(calls) == NEW_TOKENS + 1

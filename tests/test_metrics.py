@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import camviz
 from camviz.core.errors import CamvizError
 from camviz.evaluation import metrics
 
@@ -281,3 +282,21 @@ def test_user_mistakes_are_one_line_errors():
         metrics.deletion(model, ONES, FAITHFUL, "top2")
     with pytest.raises(CamvizError, match="fractions"):
         metrics.road(model, ONES, FAITHFUL, 0, fractions=[0.5, 1.0])
+
+
+class _Weighted(nn.Module):
+    """``W * x``: a one-channel feature map whose mean is the linear model's logit / 16."""
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return images * WEIGHTS
+
+
+def test_a_unit_is_scored_at_its_layer_in_every_perturbed_pass():
+    # The unit's score is the mean of W * x over the grid: the deletion curve's logits / 16.
+    model = nn.Sequential(_Weighted(), nn.Flatten(), nn.Linear(16, 2)).eval()
+    unit = camviz.Unit("0", channel=0)
+    curve = metrics.deletion(model, ONES, FAITHFUL, target=unit, steps=4, score="logit")
+    expected = torch.tensor([[136.0, 78.0, 36.0, 10.0, 0.0]]) / 16
+    torch.testing.assert_close(curve.scores, expected)
+    with pytest.raises(CamvizError, match="a Unit target scores no class"):
+        metrics.deletion(model, ONES, FAITHFUL, target=unit, steps=4)

@@ -327,6 +327,26 @@ def test_an_ultralytics_yolo_wrapper_is_explained_through_its_network() -> None:
     assert ours.heatmaps.abs().sum() > 0
 
 
+def test_a_unit_of_the_yolo_heads_input_as_the_issue_spells_it_is_its_first_level() -> None:
+    from camviz.core.targets import parse_unit
+
+    model, images = tp.yolo("yolov8n"), tp.images(64, 64)
+    levels: list[torch.Tensor] = []
+    hook = model.model[22].register_forward_pre_hook(lambda _, args: levels.extend(args[0]))
+    with torch.no_grad():
+        model(images)
+    hook.remove()
+    match = r"holds 3 feature maps; the unit reads the first, 'model.22:input\[0\]\[0\]'"
+    with pytest.warns(UserWarning, match=match):
+        whole = camviz.explain(model, images, target=parse_unit("unit:model.22:input@0-3"))
+    first = camviz.explain(model, images, target=parse_unit("unit:model.22:input[0][0]@0-3"))
+    # Explained at the last map before model.15, whose output the first level is (model.14
+    # concatenates the upsampled P4 with the backbone's P3).
+    assert whole.layers == first.layers == ["model.14"]
+    torch.testing.assert_close(whole.heatmaps, first.heatmaps)
+    torch.testing.assert_close(whole.scores, levels[0][:, :4].mean((2, 3)).T.reshape(-1))
+
+
 def test_detr_boxes_are_in_the_input_pixels() -> None:
     model = tp.hf_detr()
     pixels = tp.images(64, 96)

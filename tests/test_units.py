@@ -10,6 +10,7 @@ import torch
 from conftest import conv_net, tiny_vit
 from PIL import Image
 from torch import nn
+from torch.utils.data import TensorDataset
 
 import camviz
 from camviz.core.errors import CamvizError
@@ -302,16 +303,25 @@ class _LevelsNet(nn.Module):
         return self.head([fine, self.coarse(fine).relu()])
 
 
-def test_a_unit_of_a_heads_input_levels_is_one_level_named_in_the_refusal():
+def test_a_unit_of_a_heads_input_levels_reads_the_first_level_and_names_the_others():
     model = _LevelsNet().eval()
     images = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(2))
-    with pytest.raises(CamvizError, match=r"gives a list, .* such as 'head:input\[0\]\[0\]'"):
-        camviz.explain(model, images, layer="fine", target=Unit("head:input", channel=1))
-    coarse = Unit("head:input[0][1]", channel=1)
-    result = camviz.explain(model, images, layer="fine", target=coarse)
+    with pytest.warns(UserWarning) as caught:
+        whole = camviz.explain(model, images, layer="fine", target=Unit("head:input", channel=1))
+    (message,) = [str(warning.message) for warning in caught]
+    assert "holds 2 feature maps" in message and "'head:input[0][0]'" in message
+    assert "'head:input[0][1]' for another" in message
     with torch.no_grad():
-        expected = model.coarse(model.fine(images).relu()).relu()[:, 1].mean((1, 2))
-    torch.testing.assert_close(result.scores, expected)
+        fine = model.fine(images).relu()
+    torch.testing.assert_close(whole.scores, fine[:, 1].mean((1, 2)))
+    coarse = camviz.explain(model, images, layer="fine", target=Unit("head:input[0][1]", 1))
+    torch.testing.assert_close(coarse.scores, model.coarse(fine).relu()[:, 1].mean((1, 2)))
+    with pytest.warns(UserWarning, match="holds 2 feature maps"):
+        (top,) = top_examples(model, TensorDataset(images), Unit("head:input", 1), k=2)
+    assert top.unit.layer == "head:input[0][0]"
+    best = fine[:, 1].flatten(1).amax(1).sort(descending=True)
+    assert [example.index for example in top.examples] == best.indices.tolist()
+    assert [example.value for example in top.examples] == pytest.approx(best.values.tolist())
 
 
 # Units --------------------------------------------------------------------------------------

@@ -5,11 +5,14 @@ for the gradient-weighted methods, each rank's ``dA = dy/dA``), fused attention 
 (:mod:`camviz.core.attention`). ``layer=`` names the last block included (default: the
 model's last block, :meth:`AttentionMethod.default_layer`); the blocks before it in the
 same tower (its siblings: a CLIP model's vision blocks, not its text blocks) are the
-others. A method turns those matrices into one ``(N, T, T)`` relevance matrix ``R``
-between tokens; the map is the class token's row of ``R`` (without a class token, the mean
-of its rows) at the patch tokens, on their grid. Which tokens are patches is told by the
-pass, as for Grad-CAM on tokens (:mod:`camviz.core.lineage`): class, distillation and
-register tokens are dropped.
+others. A method turns each block's matrices into one ``(N, T, T)`` factor ``M_l``
+(:meth:`AttentionMethod.factors`); their product ``R = M_L ... M_1`` is the relevance
+matrix between tokens. The map is the class token's row of ``R`` (without a class token,
+the mean of its rows) at the patch tokens, on their grid. Which tokens are patches is told
+by the pass, as for Grad-CAM on tokens (:mod:`camviz.core.lineage`): class, distillation and
+register tokens are dropped. The rows of ``R`` at other positions (a causal language
+model's, one per generated token: :mod:`camviz.cams.generation`) come from
+:meth:`AttentionMethod.relevance` with ``queries``, row vectors times one factor at a time.
 """
 
 from __future__ import annotations
@@ -48,9 +51,23 @@ class AttentionMethod(CamMethod):
         require_sample(batch)
         return blocks[-1]
 
-    def relevance(self, attention: AttentionMaps) -> torch.Tensor:
-        """The ``(N, T, T)`` relevance matrix of the blocks' attention, first block first."""
+    def factors(self, attention: AttentionMaps) -> list[torch.Tensor]:
+        """The ``(N, T, T)`` factor ``M_l`` of each block, first block first: the relevance
+        matrix is their product ``M_L ... M_1``."""
         raise NotImplementedError
+
+    def relevance(
+        self, attention: AttentionMaps, queries: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The ``(N, T, T)`` relevance matrix ``R = M_L ... M_1`` of the blocks' attention, or
+        with ``queries`` (``(N, Q, T)``, weights over the query tokens: a one-hot row picks
+        one position's row) ``queries @ R``, ``(N, Q, T)``, multiplied from the left: ``Q T^2``
+        operations per block rather than ``T^3``."""
+        rows = queries
+        for factor in reversed(self.factors(attention)):
+            rows = factor if rows is None else rows @ factor
+        assert rows is not None  # a pass records at least one block (core.attention)
+        return rows
 
     def layer_map(self, data: LayerData) -> torch.Tensor:
         if data.attention is None:
@@ -103,15 +120,12 @@ def discarded(matrices: torch.Tensor, ratio: float) -> torch.Tensor:
     return flat.scatter(1, lowest, 0.0).view_as(matrices)
 
 
-def rollout(matrices: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``prod_l norm(0.5 I + 0.5 A_l)``, later blocks on the left, rows renormalised to sum
-    to one (Abnar & Zuidema's residual)."""
+def with_residual(matrices: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``norm(0.5 I + 0.5 A_l)`` of each ``(N, T, T)`` matrix, rows renormalised to sum to
+    one (Abnar & Zuidema's residual): the factors of a rollout."""
     eye = torch.eye(matrices[0].shape[-1], device=matrices[0].device)
-    result = eye.expand_as(matrices[0])
-    for matrix in matrices:
-        mixed = 0.5 * eye + 0.5 * matrix
-        result = (mixed / mixed.sum(dim=-1, keepdim=True)) @ result
-    return result
+    mixed = [0.5 * eye + 0.5 * matrix for matrix in matrices]
+    return [matrix / matrix.sum(dim=-1, keepdim=True) for matrix in mixed]
 
 
 def check_discard_ratio(name: str, ratio: float) -> float:

@@ -6,7 +6,12 @@ from typing import Literal
 
 import torch
 
-from camviz.cams.attentionmethod import AttentionMethod, check_discard_ratio, discarded, rollout
+from camviz.cams.attentionmethod import (
+    AttentionMethod,
+    check_discard_ratio,
+    discarded,
+    with_residual,
+)
 from camviz.cams.registry import register
 from camviz.core.attention import AttentionMaps
 from camviz.core.errors import CamvizError
@@ -51,11 +56,11 @@ class AttentionRollout(AttentionMethod):
         self.head_fusion = head_fusion
         self.discard_ratio = check_discard_ratio(self.name, discard_ratio)
 
-    def relevance(self, attention: AttentionMaps) -> torch.Tensor:
+    def factors(self, attention: AttentionMaps) -> list[torch.Tensor]:
         fused = [
             _fused(probabilities, self.head_fusion) for probabilities in attention.probabilities
         ]
-        return rollout([discarded(matrix, self.discard_ratio) for matrix in fused])
+        return with_residual([discarded(matrix, self.discard_ratio) for matrix in fused])
 
 
 def _fused(probabilities: torch.Tensor, fusion: str) -> torch.Tensor:

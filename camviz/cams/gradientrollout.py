@@ -8,8 +8,8 @@ from camviz.cams.attentionmethod import (
     AttentionMethod,
     check_discard_ratio,
     discarded,
-    rollout,
     weighted_attention,
+    with_residual,
 )
 from camviz.cams.registry import register
 from camviz.core.attention import AttentionMaps
@@ -49,6 +49,6 @@ class GradientRollout(AttentionMethod):
     def __init__(self, discard_ratio: float = 0.0) -> None:
         self.discard_ratio = check_discard_ratio(self.name, discard_ratio)
 
-    def relevance(self, attention: AttentionMaps) -> torch.Tensor:
+    def factors(self, attention: AttentionMaps) -> list[torch.Tensor]:
         weighted = weighted_attention(attention)
-        return rollout([discarded(matrix, self.discard_ratio) for matrix in weighted])
+        return with_residual([discarded(matrix, self.discard_ratio) for matrix in weighted])

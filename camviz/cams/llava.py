@@ -11,7 +11,8 @@ gradient at that span (LLaVA-NeXT adds its newline embeddings after the projecto
 LLaVA-NeXT's projector sees several views of the photo: first the *base image* (the whole
 photo resized to the vision tower's square), then tiles of a larger copy. The maps use the
 base image's patches, whose grid covers the whole photo; tiles and newline tokens are
-skipped.
+skipped: at the projector (:func:`base_tokens`) and in the language model's sequence, whose
+attention to the base image's positions (:func:`base_positions`) the attention methods read.
 
 Where the processed image lies on the photo is read from the image processor's settings
 (:func:`base_window`) and checked against the processed image's size, so a processor that
@@ -35,6 +36,9 @@ LLAVA_CLASSES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGenera
 
 #: The projector's name in both classes.
 PROJECTOR = "model.multi_modal_projector"
+
+#: The language model's name in both classes.
+LANGUAGE_MODEL = "model.language_model"
 
 
 @dataclass(frozen=True)
@@ -84,16 +88,46 @@ def base_tokens(llava: Llava, projected: torch.Tensor, pixels: tuple[int, int]) 
         CamvizError: The token count is not the patch grid's (plus a class token).
     """
     rows, columns = (side // llava.patch_size for side in pixels)
-    tokens = projected[0]
-    if len(tokens) == rows * columns + 1:  # vision_feature_select_strategy="full" keeps CLS
-        tokens = tokens[1:]
-    if len(tokens) != rows * columns:
+    tokens = projected[0][_patches(llava, len(projected[0]), pixels)]
+    return tokens.T.reshape(1, -1, rows, columns)
+
+
+def base_positions(
+    llava: Llava, input_ids: torch.Tensor, view_tokens: int, pixels: tuple[int, int]
+) -> torch.Tensor:
+    """Where the language model reads the base image's patch tokens: their positions in the
+    prompt ``input_ids`` ``(1, L)``, ``(h * w,)`` in the order of :func:`base_tokens`' grid.
+
+    The projected tokens replace the image tokens in order, the base image's
+    ``view_tokens`` (the projector's tokens per view) first; LLaVA-NeXT's tiles and newline
+    tokens come after them.
+
+    Raises:
+        CamvizError: Fewer image tokens than the base image's, or a token count that is not
+            the patch grid's (plus a class token).
+    """
+    positions = (input_ids[0] == llava.image_token_id).nonzero()[:, 0]
+    if len(positions) < view_tokens:
         raise CamvizError(
-            f"the projector gives {len(projected[0])} tokens for a {rows} x {columns} patch grid "
+            f"the prompt holds {len(positions)} image tokens for the base image's "
+            f"{view_tokens}; explain_generation needs the processor's expanded prompt"
+        )
+    return positions[:view_tokens][_patches(llava, view_tokens, pixels)]
+
+
+def _patches(llava: Llava, count: int, pixels: tuple[int, int]) -> slice:
+    """Which of a view's ``count`` projected tokens are its patches, one per patch: all, or
+    all but a leading class token (``vision_feature_select_strategy="full"`` keeps it)."""
+    rows, columns = (side // llava.patch_size for side in pixels)
+    if count == rows * columns + 1:
+        return slice(1, count)
+    if count != rows * columns:
+        raise CamvizError(
+            f"the projector gives {count} tokens for a {rows} x {columns} patch grid "
             f"({pixels[0]} x {pixels[1]} px, patch {llava.patch_size}); explain_generation "
             "reads one token per patch, with at most one class token"
         )
-    return tokens.T.reshape(1, -1, rows, columns)
+    return slice(0, count)
 
 
 @dataclass(frozen=True)

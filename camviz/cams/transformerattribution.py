@@ -38,10 +38,7 @@ class TransformerAttribution(AttentionMethod):
     needs = "vision transformers: each block's attention and its gradient"
     attention = "gradients"
 
-    def relevance(self, attention: AttentionMaps) -> torch.Tensor:
+    def factors(self, attention: AttentionMaps) -> list[torch.Tensor]:
         weighted = weighted_attention(attention)
-        relevance = torch.eye(weighted[0].shape[-1], device=weighted[0].device)
-        relevance = relevance.expand_as(weighted[0])
-        for matrix in weighted:
-            relevance = relevance + matrix @ relevance
-        return relevance
+        eye = torch.eye(weighted[0].shape[-1], device=weighted[0].device)
+        return [eye + matrix for matrix in weighted]  # R + A R = (I + A) R

@@ -32,6 +32,8 @@ from camviz import __version__
 from camviz.cli.text import Parser, echo, one_line_warnings
 from camviz.core.errors import CamvizError, first_line
 
+__all__ = ["main"]
+
 SUBCOMMANDS = (
     "explain",
     "layers",

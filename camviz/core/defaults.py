@@ -226,10 +226,7 @@ def _structural_layer(model: nn.Module, run: _DryRun, size: tuple[int, ...]) -> 
     inside = _inner_calls(run.log)
     head = _classifier_convolution(model, run)
     # A target that reads a layer (a unit) is explained at a layer before it.
-    end = min(
-        (run.log.starts.get(parse(spot).name, len(run.log.calls)) for spot in run.spots),
-        default=len(run.log.calls),
-    )
+    end = min((_spot_start(run, spot) for spot in run.spots), default=len(run.log.calls))
     output_shapes, output_storages = _output_tensors(run.output, run.output_key)
     structural = [
         index
@@ -265,6 +262,22 @@ def _structural_layer(model: nn.Module, run: _DryRun, size: tuple[int, ...]) -> 
         "could not find a layer with a spatial output to explain; pass layer=NAME "
         "(`camviz layers --model NAME` lists them)"
     )
+
+
+def _spot_start(run: _DryRun, spot: str) -> int:
+    """Where a spot's tensor begins in call order: its module's start; for an input spot,
+    the start of the layer whose output it is (the outermost call that gave the tensor
+    and ended before the module began; the innermost may be a module that many layers
+    share, as Ultralytics' activation is, whose name gives another call's start)."""
+    parsed = parse(spot)
+    start = run.log.starts.get(parsed.name, len(run.log.calls))
+    if parsed.at != "input":
+        return start
+    tensor = run.spots[spot]
+    gave = [index for index, output in run.tensors.items() if output is tensor and index < start]
+    if not gave:
+        return start
+    return run.log.starts.get(run.log.calls[max(gave)].name, max(gave))
 
 
 def _inner_calls(log: CallLog) -> set[int]:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,7 +27,7 @@ from camviz.core.inputs import Inputs
 from camviz.core.layerkinds import CallLog, Kind, module_kind, needs_shape, record_calls
 from camviz.core.lineage import Lineage, TokenGrid
 from camviz.core.modelstate import eval_mode, no_grad
-from camviz.core.taps import edit_spots, parse
+from camviz.core.taps import edit_spots, element_key, map_elements, parse
 
 # What layout= accepts: the three kinds, and the usual spellings of the first two.
 LAYOUT_NAMES: dict[str, Kind] = {
@@ -192,13 +194,18 @@ class SpotKinds:
             return cached[(name, self.input_dims)]
         # A container spot (an FPN's levels): known once a pass told its maps' kind, if they
         # agree.
+        levels = self.level_kinds(name)
+        return levels.pop() if len(levels) == 1 else None
+
+    def level_kinds(self, name: str) -> set[Kind | None]:
+        """The kinds that earlier passes told for elements of the spot ``name`` (empty
+        unless it is a container whose maps were explained)."""
         prefix = name + "["
-        levels = {
+        return {
             kind
-            for (key, dims), kind in cached.items()
+            for (key, dims), kind in _kind_cache.get(self.model, {}).items()
             if dims == self.input_dims and key.startswith(prefix)
         }
-        return levels.pop() if len(levels) == 1 else None
 
     def all_known(self, spots: Sequence[str]) -> bool:
         """Whether every spot's kind is known without recording the pass's module calls (a
@@ -248,6 +255,14 @@ class SpotReading:
 
     kind: Kind | None
     tokens: TokenGrid | None = None
+    #: The spots of the feature maps in it, when the spot holds a container: it is read at
+    #: the first.
+    elements: tuple[str, ...] = ()
+
+    @property
+    def element(self) -> str | None:
+        """The spot of the tensor read, when it is not the spot itself."""
+        return self.elements[0] if self.elements else None
 
 
 # Readings told by a dry pass, per model, spot and input shape (tokens depend on the size).
@@ -260,10 +275,15 @@ def spot_reading(model: nn.Module, spot: str, inputs: Inputs) -> SpotReading:
     """How to read ``spot``'s tensor for inputs like ``inputs``, as the engine would: a
     channels-first kind known without a pass (:meth:`SpotKinds.known`) as it is; anything
     else from one dry pass on the first sample, followed from the map input
-    (:class:`~camviz.core.lineage.Lineage`) to find the patch tokens, and remembered."""
+    (:class:`~camviz.core.lineage.Lineage`) to find the patch tokens, and remembered.
+
+    A spot that holds a tuple, list or dict of feature maps (a detection head's input, its
+    levels) is read at its first map, :attr:`SpotReading.element`, and a one-line warning
+    names it and the others.
+    """
     kinds = SpotKinds(model, inputs.main.dim())
     known = kinds.known(spot)
-    if known == "channels_first" or not inputs.size:
+    if (known == "channels_first" and not kinds.level_kinds(spot)) or not inputs.size:
         return SpotReading(known)
     key = (spot, tuple(inputs.main.shape[1:]))
     per_model = _reading_cache.setdefault(model, {})
@@ -271,15 +291,15 @@ def spot_reading(model: nn.Module, spot: str, inputs: Inputs) -> SpotReading:
         first = torch.zeros(1, dtype=torch.long, device=inputs.main.device)
         sample = inputs.replaced({}, first)
         lineage = Lineage(sample.main)
-        seen: dict[str, torch.Tensor] = {}
+        seen: dict[str, Any] = {}
 
-        def keep(tensor: torch.Tensor) -> torch.Tensor:
-            seen.setdefault(spot, tensor)
-            return tensor
+        def keep(value: Any) -> Any:
+            seen.setdefault(spot, value)
+            return value
 
         with (
             record_calls(model) as log,
-            edit_spots(model, {spot: keep}),
+            edit_spots(model, {spot: keep}, containers=True),
             eval_mode(model),
             no_grad(),
             lineage,
@@ -287,6 +307,39 @@ def spot_reading(model: nn.Module, spot: str, inputs: Inputs) -> SpotReading:
             sample(model)
         if spot not in seen:
             return SpotReading(known)
-        kind = known or kinds.told(spot, log, seen)
-        per_model[key] = SpotReading(kind, lineage.token_grid(seen[spot]))
-    return per_model[key]
+        value = seen[spot]
+        if isinstance(value, torch.Tensor):
+            kind = known or kinds.told(spot, log, seen)
+            per_model[key] = SpotReading(kind, lineage.token_grid(value))
+        else:
+            elements = _maps_in(spot, value, inputs.main.dim() - 2)
+            read = spot_reading(model, elements[0], inputs)
+            per_model[key] = dataclasses.replace(read, elements=read.elements or elements)
+    reading = per_model[key]
+    if len(reading.elements) > 1:
+        read_at, *others = reading.elements
+        warnings.warn(
+            f"layer {spot!r} holds {len(reading.elements)} feature maps; the unit reads the "
+            f"first, {read_at!r} (name {' or '.join(map(repr, others))} for another)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return reading
+
+
+def tensor_spot(model: nn.Module, spot: str, inputs: Inputs) -> str:
+    """``spot``, or the spot of its first feature map when it holds several
+    (:func:`spot_reading`)."""
+    return spot_reading(model, spot, inputs).element or spot
+
+
+def _maps_in(spot: str, value: Any, rank: int) -> tuple[str, ...]:
+    """The spots of the feature maps in the container ``value`` at ``spot``; a container of
+    no feature map is refused."""
+    items = map_elements(value, rank) if isinstance(value, (tuple, list, Mapping)) else []
+    if not items:
+        raise CamvizError(
+            f"layer {spot!r} gives a {type(value).__name__} with no feature map in it; pick a "
+            "layer that outputs a feature map (`camviz layers` lists them with shapes)"
+        )
+    return tuple(element_key(spot, item) for item in items)

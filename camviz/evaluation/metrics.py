@@ -36,6 +36,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal, TypeAlias
 
 import torch
@@ -43,11 +44,12 @@ import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch import nn
 from torchvision.transforms.v2 import functional as TF  # noqa: N812 - the conventional name
 
+from camviz.cams.base import with_spots
 from camviz.core.errors import CamvizError
-from camviz.core.inputs import as_batch
+from camviz.core.inputs import as_batch, as_inputs
 from camviz.core.maps import upsample
 from camviz.core.modelstate import eval_mode, no_grad
-from camviz.core.targets import Target, as_logits, score_fns
+from camviz.core.targets import Context, SpotOutput, Target, as_logits, as_target
 
 __all__ = [
     "ROAD_FRACTIONS",
@@ -481,6 +483,7 @@ class _Context:
     ranks: torch.Tensor
     original: torch.Tensor
     score_of: Callable[[Any, torch.Tensor], torch.Tensor]
+    run: Callable[[torch.Tensor], Any]
     batch_size: int
 
     @classmethod
@@ -504,9 +507,14 @@ class _Context:
         ranks = torch.empty_like(order)
         positions = torch.arange(order.shape[1], device=order.device).expand_as(order)
         ranks.scatter_(1, order, positions)
+        # A target that reads layer spots (a Unit) is scored on what every pass handed on there.
+        chosen = as_target(target).prepare(model, as_inputs(inputs, model))
+        run = partial(_recorded_pass, model, chosen.spots)
         with eval_mode(model), no_grad():
-            output = model(inputs)
-        fns, ids = score_fns(target, output, output_key)
+            output = run(inputs)
+        spots = output.spots if isinstance(output, SpotOutput) else {}
+        resolved = chosen.resolve(output, Context(output_key, spots, len(inputs)))
+        fns, ids = list(resolved.scores), resolved.class_ids
         if len(fns) != 1:
             raise CamvizError(
                 f"the metrics score one target per input, but the target gives {len(fns)}; for "
@@ -514,8 +522,8 @@ class _Context:
             )
         if score == "probability" and ids is None:
             raise CamvizError(
-                "a callable target has no class probability; pass score='logit' to use its "
-                "raw score"
+                f"a {type(chosen).__name__} target scores no class, so it has no class "
+                "probability; pass score='logit' to use its raw score"
             )
         score_fn = fns[0]
 
@@ -526,7 +534,8 @@ class _Context:
             return score_fn(logits.softmax(dim=1), samples)
 
         samples = torch.arange(len(inputs), device=inputs.device)
-        return cls(model, inputs, maps, ranks, score_of(output, samples), score_of, batch_size)
+        original = score_of(output, samples)
+        return cls(model, inputs, maps, ranks, original, score_of, run, batch_size)
 
     def scores(
         self, images: Callable[[torch.Tensor], torch.Tensor], samples: torch.Tensor
@@ -537,7 +546,7 @@ class _Context:
         scores = []
         with eval_mode(self.model), no_grad():
             for batch in rows.split(self.batch_size):
-                scores.append(self.score_of(self.model(images(batch)), samples[batch]))
+                scores.append(self.score_of(self.run(images(batch)), samples[batch]))
         return torch.cat(scores)
 
     def curve(self, start: torch.Tensor, end: torch.Tensor, steps: int) -> Curve:
@@ -557,6 +566,11 @@ class _Context:
         rows = torch.arange(len(self.inputs) * len(points), device=self.inputs.device)
         scores = self.scores(step_images, rows // len(points))
         return Curve(fractions=counts.float() / pixels, scores=scores.view(-1, len(points)))
+
+
+def _recorded_pass(model: nn.Module, spots: Sequence[str], inputs: torch.Tensor) -> Any:
+    """The model's output for ``inputs``, with what it handed on at ``spots``."""
+    return with_spots(model, spots, lambda: model(inputs))
 
 
 def _checked_maps(heatmaps: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:

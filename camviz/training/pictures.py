@@ -29,6 +29,7 @@ __all__ = [
     "STEP_CELL",
     "STRIP_COLUMNS",
     "SUMMARY_CELL",
+    "StripCells",
     "curves",
     "figure_picture",
     "overlays",
@@ -92,21 +93,47 @@ def strip_steps(history: Sequence[Record], columns: int = STRIP_COLUMNS) -> list
     return [history[index] for index in sorted(set(picked.tolist()))]
 
 
+class StripCells:
+    """The strip's cells: each probe picture enlarged (or reduced) to ``cell_height``, and each
+    record's overlays on them, drawn once per record and series. The strip logged at every
+    step shows mostly the records it showed at the previous one; they are not drawn again."""
+
+    def __init__(self, pictures: Sequence[Image.Image], cell_height: int = SUMMARY_CELL) -> None:
+        first = pictures[0]
+        self.size = (max(1, round(first.width * cell_height / first.height)), cell_height)
+        self.pictures = [
+            picture.resize(self.size, Image.Resampling.BILINEAR) for picture in pictures
+        ]
+        # By the record's identity; the record is kept with its cells, so that no other
+        # record can take its id while they are here.
+        self._drawn: dict[tuple[int, str], tuple[Record, list[Image.Image]]] = {}
+
+    def __call__(self, record: Record, series: str) -> list[Image.Image]:
+        """The overlays of ``record``'s maps of ``series`` on the cell-sized pictures."""
+        key = (id(record), series)
+        if key not in self._drawn:
+            heatmaps = record.maps[series].heatmaps
+            drawn = [overlay(p, h) for p, h in zip(self.pictures, heatmaps, strict=True)]
+            self._drawn[key] = (record, drawn)
+        return self._drawn[key][1]
+
+    def keep(self, records: Sequence[Record]) -> None:
+        """Forget the cells of every record but ``records``."""
+        kept = {id(record) for record in records}
+        self._drawn = {key: value for key, value in self._drawn.items() if key[0] in kept}
+
+
 def strip(
-    history: Sequence[Record],
-    pictures: Sequence[Image.Image],
-    columns: int = STRIP_COLUMNS,
-    cell_height: int = SUMMARY_CELL,
+    history: Sequence[Record], cells: StripCells, columns: int = STRIP_COLUMNS
 ) -> Image.Image:
     """Overlays over steps: for each series a block under its name, with one row per probe
     image and one column per step (at most ``columns``), captioned with the steps."""
     shown = strip_steps(history, columns)
-    first = pictures[0]
-    cell = (max(1, round(first.width * cell_height / first.height)), cell_height)
-    enlarged = [picture.resize(cell, Image.Resampling.BILINEAR) for picture in pictures]
+    cells.keep(shown)
+    cell, rows = cells.size, len(cells.pictures)
     series = list(shown[0].maps)
     heading = 2 * (_CAPTION + _GAP)  # the series' name, then the steps
-    block_height = heading + len(pictures) * (cell[1] + _GAP)
+    block_height = heading + rows * (cell[1] + _GAP)
     width = _LABEL_WIDTH + len(shown) * (cell[0] + _GAP) + _GAP
     canvas = Image.new("RGB", (width, _GAP + len(series) * (block_height + _GAP)), "white")
     draw = ImageDraw.Draw(canvas)
@@ -114,7 +141,7 @@ def strip(
     for block, name in enumerate(series):
         top = _GAP + block * (block_height + _GAP)
         draw.text((_GAP, top), name, fill="black", font=font)
-        for row in range(len(pictures)):
+        for row in range(rows):
             middle = top + heading + row * (cell[1] + _GAP) + cell[1] / 2
             draw.text((_GAP, middle), f"probe {row}", fill="black", font=font, anchor="lm")
         for column, record in enumerate(shown):
@@ -124,12 +151,8 @@ def strip(
             draw.text(
                 (left + cell[0] / 2, caption_top), caption, fill="black", font=font, anchor="ma"
             )
-            for row, (picture, heatmap) in enumerate(
-                zip(enlarged, record.maps[name].heatmaps, strict=True)
-            ):
-                canvas.paste(
-                    overlay(picture, heatmap), (left, top + heading + row * (cell[1] + _GAP))
-                )
+            for row, drawn in enumerate(cells(record, name)):
+                canvas.paste(drawn, (left, top + heading + row * (cell[1] + _GAP)))
     return canvas
 
 

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from camviz.pipeline.writer import Writer
-from camviz.training.pictures import STEP_CELL, overlays, probe_pictures, strip
+from camviz.training.pictures import STEP_CELL, StripCells, overlays, probe_pictures, strip
 from camviz.training.record import Record
 from camviz.training.sinks import Sink
 
@@ -37,6 +37,7 @@ class Publisher:
         self.sinks = list(sinks)
         self._images = images
         self._pictures: list[Image.Image] | None = None  # drawn on the writer's thread
+        self._cells: StripCells | None = None
         self._writer = Writer(threads=1, queue_size=_QUEUE)
 
     def submit(self, record: Record, history: Sequence[Record]) -> None:
@@ -53,9 +54,10 @@ class Publisher:
                 sink.close()
 
     def _publish(self, record: Record, history: Sequence[Record]) -> None:
-        if self._pictures is None:
+        if self._pictures is None or self._cells is None:
             self._pictures = probe_pictures(self._images)
+            self._cells = StripCells(self._pictures, STEP_CELL)
         drawn = overlays(record, self._pictures)
-        shown = strip(history, self._pictures, cell_height=STEP_CELL)
+        shown = strip(history, self._cells)
         for sink in self.sinks:
             sink.write(record, drawn, shown)

@@ -15,7 +15,14 @@ from PIL import Image
 from camviz.core.errors import CamvizError
 from camviz.io.render import save
 from camviz.training.change import correlation, top_overlap
-from camviz.training.pictures import curves, figure_picture, probe_pictures, stacked, strip
+from camviz.training.pictures import (
+    StripCells,
+    curves,
+    figure_picture,
+    probe_pictures,
+    stacked,
+    strip,
+)
 from camviz.training.record import Record
 
 if TYPE_CHECKING:
@@ -79,7 +86,7 @@ def summarize(history: Sequence[Record], images: torch.Tensor) -> TrainingSummar
         )
         numbers[series] = table
     steps = [record.step for record in history]
-    shown = strip(history, probe_pictures(images))
+    shown = strip(history, StripCells(probe_pictures(images)))
     figure = curves(steps, numbers)
     return TrainingSummary(
         steps=steps,

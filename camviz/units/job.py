@@ -37,7 +37,8 @@ import torch
 from PIL import Image
 
 from camviz.core.errors import CamvizError
-from camviz.core.inputs import model_device
+from camviz.core.inputs import as_inputs, model_device
+from camviz.core.layouts import tensor_spot
 from camviz.core.modelstate import eval_mode, exclusive, no_grad
 from camviz.core.precision import Precision, model_precision
 from camviz.core.targets.unit import Unit, parse_channels
@@ -136,7 +137,7 @@ def scan_units(
     items = expand(inputs, exclude=manifest.written_files(out))
     if not items:
         raise CamvizError("no image found in the inputs (files camviz wrote are never inputs)")
-    count = _channel_count(loaded, items, layer)
+    layer, count = _read_layer(loaded, items, layer)
     picked = parse_channels(channels) if isinstance(channels, str) else channels
     picked = range(count) if picked is None else picked
     Unit(layer, channel=list(picked)).maps(torch.zeros(1, count, 1, 1))  # in range, or one line
@@ -163,17 +164,19 @@ def scan_units(
     return results
 
 
-def _channel_count(loaded: LoadedModel, items: Sequence[Item], layer: str) -> int:
-    """How many channels ``layer`` has, counted on the first readable input."""
+def _read_layer(loaded: LoadedModel, items: Sequence[Item], layer: str) -> tuple[str, int]:
+    """The tensor spot ``layer`` is read at (:func:`~camviz.core.layouts.tensor_spot`) and
+    how many channels it has, told by the first readable input."""
     for item in items:
         try:
             inputs = loaded.preprocess(load_image(item.path)).unsqueeze(0)
         except (CamvizError, OSError):
             continue
         inputs = inputs.to(model_device(loaded.model))
+        spot = tensor_spot(loaded.model, layer, as_inputs(inputs, loaded.model))
         with exclusive(loaded.model), eval_mode(loaded.model), no_grad():
-            tensors, _ = outputs_at(loaded.model, inputs, [layer])
-        return spatial_view(loaded.model, layer, tensors[layer], inputs).shape[1]
+            tensors, _ = outputs_at(loaded.model, inputs, [spot])
+        return spot, spatial_view(loaded.model, spot, tensors[spot], inputs).shape[1]
     raise CamvizError("none of the inputs can be read as an image")
 
 

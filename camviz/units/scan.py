@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from camviz.core.errors import CamvizError, first_line
-from camviz.core.inputs import model_device
+from camviz.core.inputs import as_inputs, model_device
 from camviz.core.modelstate import eval_mode, exclusive, no_grad
 from camviz.core.precision import Precision, model_precision
 from camviz.core.targets.unit import Unit, as_units
@@ -176,7 +176,6 @@ class UnitScan:
         self.channels_last = channels_last
         model_precision(model, precision, channels_last)  # an unknown or emulated one: now
         self.heaps = TopHeaps(len(self.units), k)
-        self._spots = list(dict.fromkeys(unit.layer for unit in self.units))
 
     def add(self, positions: Sequence[int], batch: torch.Tensor) -> None:
         """Scan one batch of images (``positions``: their places in the source)."""
@@ -185,13 +184,17 @@ class UnitScan:
 
     def read(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(B, U)`` statistics and ``(B, U, D)`` grid locations of every unit."""
+        if any(unit.reading is None for unit in self.units):  # as the first batch tells it
+            inputs = as_inputs(batch, self.model)
+            self.units = [unit.prepare(self.model, inputs) for unit in self.units]
+        spots = list(dict.fromkeys(unit.layer for unit in self.units))
         with (
             exclusive(self.model),
             eval_mode(self.model),
             model_precision(self.model, self.precision, self.channels_last),
             no_grad(),
         ):
-            tensors, _ = outputs_at(self.model, batch, self._spots)
+            tensors, _ = outputs_at(self.model, batch, spots)
         views = {spot: spatial_view(self.model, spot, tensors[spot], batch) for spot in tensors}
         read = [_statistic(unit, views[unit.layer], self.statistic) for unit in self.units]
         return torch.stack([r[0] for r in read], dim=1), torch.stack([r[1] for r in read], dim=1)

@@ -69,7 +69,9 @@ class Unit(TargetObject):
         >>> camviz.explain(model, x, layer="layer3", target=camviz.Unit("layer4", channel=7))
 
     Attributes:
-        layer: The layer spot the unit belongs to (``"layer3.1"``, ``"model.22:input[0][0]"``).
+        layer: The layer spot the unit belongs to (``"layer3.1"``, ``"model.22:input[0][0]"``);
+            a spot that holds several feature maps (``"model.22:input"``, a detection head's
+            levels) is read at its first, with a warning that names the others.
         channel: A channel index, or a list of them (one rank each, in that order).
         neuron: ``(c, *grid_index)``: channel ``c`` at one location of the layer's grid
             (tokens: ``(c, patch_row, patch_col)``).
@@ -145,7 +147,7 @@ class Unit(TargetObject):
         told = spot_reading(model, self.layer, inputs)
         size = tuple(inputs.main.shape[2:])
         reading = _Reading(told.kind, told.tokens, size, patch_size(model))
-        return dataclasses.replace(self, reading=reading)
+        return dataclasses.replace(self, layer=told.element or self.layer, reading=reading)
 
     def resolve(self, output: Any, context: Context) -> Resolved:
         """One score function per rank, from the unit's layer in this pass."""
