@@ -22,12 +22,14 @@ every variant once, so that a busy machine slows them alike.
   the layer (``torch.autograd.grad`` on the graph of a forward pass), and Grad-CAM of 1 and 5
   detections in one call, with the dense-head shortcut (:mod:`camviz.core.denseheads`) and
   without it: a further object costs ``(t5 - t1) / 4``, given as a share of the plain
-  backward pass.
+  backward pass, in wall-clock time and in the process's CPU time (which other jobs on a
+  shared machine disturb less).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -140,7 +142,7 @@ def further_objects(repeat: int) -> None:
 
         return run
 
-    times = timings(
+    times, cpu = clocked(
         {
             "plain backward after the layer": backward,
             "gradcam, 1 object": explaining(model, batch, "gradcam", 1),
@@ -152,10 +154,38 @@ def further_objects(repeat: int) -> None:
     )
     for name, seconds in times.items():
         print(f"  {name:<34} {seconds:8.3f} s")
+    backward_name = "plain backward after the layer"
     for suffix in ("", ", no shortcut"):
-        further = (times[f"gradcam, 5 objects{suffix}"] - times[f"gradcam, 1 object{suffix}"]) / 4
-        share = further / times["plain backward after the layer"]
-        print(f"  a further object{suffix:<18} {further:8.3f} s = {share:.2f} of the backward pass")
+        wall, used = (
+            (clock[f"gradcam, 5 objects{suffix}"] - clock[f"gradcam, 1 object{suffix}"]) / 4
+            for clock in (times, cpu)
+        )
+        print(
+            f"  a further object{suffix:<18} {wall:8.3f} s = {wall / times[backward_name]:.2f} "
+            f"of the backward pass ({used / cpu[backward_name]:.2f} in CPU time)"
+        )
+
+
+def clocked(
+    runs: dict[str, Callable[[], object]], repeat: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The median wall-clock and CPU time of each run, over ``repeat`` rounds after a
+    warm-up, every run once per round."""
+    wall: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
+    for run in runs.values():
+        run()
+    for _ in range(repeat):
+        for name, run in runs.items():
+            started, used = time.perf_counter(), time.process_time()
+            run()
+            wall[name].append(time.perf_counter() - started)
+            cpu[name].append(time.process_time() - used)
+    median = statistics.median
+    return (
+        {name: median(values) for name, values in wall.items()},
+        {name: median(values) for name, values in cpu.items()},
+    )
 
 
 def main() -> None:

@@ -25,6 +25,8 @@ from torchvision.ops import MultiScaleRoIAlign, box_iou
 
 import camviz
 from camviz.core.denseheads import DenseRows
+from camviz.core.detection import DetectionScore
+from camviz.core.heldscores import HeldRows, copy_scores
 
 SIZE = 64
 
@@ -173,9 +175,10 @@ def test_ablationcam_on_a_detector_equals_whole_network_passes(kind: str, untouc
 
 def test_ablationcam_on_an_rcnn_pools_only_the_explained_rows() -> None:
     model = build("fasterrcnn")
-    pooled: list[int] = []
+    pooled: list[int] = []  # rows of the pyramid's channels (held passes fold the copies in)
+    width = model.backbone.out_channels
     hook = model.roi_heads.box_roi_pool.register_forward_hook(
-        lambda module, args, output: pooled.append(len(output))
+        lambda module, args, output: pooled.append(output.shape[0] * output.shape[1] // width)
     )
     try:
         explanation = camviz.explain(
@@ -196,36 +199,56 @@ def test_the_dense_head_shortcut_gives_the_plain_gradient(
 ) -> None:
     model = build(kind)
     batch = images(2, seed=3)
-    replayed: list[list[tuple[int, ...]]] = []  # the levels' sizes of every head call
-    hook = model.head.register_forward_hook(
-        lambda module, args, output: replayed.append([tuple(x.shape[-2:]) for x in args[0]])
-    )
+    calls: list[tuple[str, list[tuple[int, ...]]]] = []  # each branch call's levels' sizes
+    branches = ("classification_head", "regression_head")
+    hooks = [
+        getattr(model.head, branch).register_forward_hook(
+            lambda module, args, output, branch=branch: calls.append(
+                (branch, [tuple(x.shape[-2:]) for x in args[0]])
+            )
+        )
+        for branch in branches
+    ]
     raw = {"relu": False, "normalize": False}
+    with torch.no_grad():
+        found = model(batch)
+    # the IoU with a box off the detection's own (by 15 % of its sides): the box term has a
+    # gradient
+    boxes = torch.stack([image["boxes"][:1] for image in found])
+    sides = (boxes[..., 2:] - boxes[..., :2]).repeat(1, 1, 2)
+    shifted = boxes + 0.15 * sides
+    labels = torch.stack([image["labels"][:1] for image in found])
     targets = {
         "three objects": camviz.Detection([0, 1, 2]),
-        "with the box": camviz.Detection(0, with_box=True),
+        "with the box": camviz.Detection(box=shifted, label=labels, iou=0.3, with_box=True),
     }
+    shortened, replays = {}, {}
     try:
         with untouched(model):
-            shortened = {
-                name: camviz.explain(model, batch, layer="backbone", target=target, **raw)
-                for name, target in targets.items()
-            }
+            for name, target in targets.items():
+                calls.clear()
+                shortened[name] = camviz.explain(
+                    model, batch, layer="backbone", target=target, **raw
+                )
+                # the forward pass hands every level (level 0 is 16 x 16); the rest replay
+                replays[name] = [call for call in calls if call[1][0] != (SIZE // 4, SIZE // 4)]
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     shortcut = DenseRows.of(model, ["backbone"])
     assert shortcut is not None
     if kind == "fcos":  # GroupNorm: a location depends on its whole level
         assert shortcut.radius is None
     else:  # four 3x3 convolutions and one more (RetinaNet), one (SSD)
         assert shortcut.radius == {"retinanet": 5, "ssd": 1}[kind]
-        # each replay: one level cropped to at most 2r + 1 (level 0 is 16 x 16), the others
-        # handed 2 x 2 locations
-        replays = [call for call in replayed if call[0] != (SIZE // 4, SIZE // 4)]
-        assert replays
-        for call in replays:
-            crops = [size for size in call if size != (2, 2)]
-            assert len(crops) <= 1 and all(side <= 2 * shortcut.radius + 1 for side in crops[0])
+        # each replay: crops of 2r + 1 (SSD: of every level up to the replayed one)
+        side = 2 * shortcut.radius + 1
+        assert replays["three objects"]
+        for _, sizes in replays["three objects"] + replays["with the box"]:
+            assert sizes == [(side, side)] * len(sizes)
+        # a class score reads no box: only the classification branch is replayed for it
+        assert {branch for branch, _ in replays["three objects"]} == {branches[0]}
+        assert {branch for branch, _ in replays["with the box"]} == set(branches)
     monkeypatch.setattr(DenseRows, "of", classmethod(lambda cls, model, taps: None))
     for name, target in targets.items():
         plain = camviz.explain(model, batch, layer="backbone", target=target, **raw)
@@ -235,3 +258,44 @@ def test_the_dense_head_shortcut_gives_the_plain_gradient(
             torch.testing.assert_close(
                 shortened[name].maps_by_layer[level], maps, atol=1e-5 * scale, rtol=1e-5
             )
+
+
+@pytest.mark.parametrize("with_box", [False, True])
+def test_held_scores_equal_torchvision_post_processing(
+    with_box: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batched scores of held copies against torchvision's post-processing of each copy,
+    on random rows of 4 overlapping proposals: NMS suppresses among them, and with one
+    detection kept of 8 candidates the copies where the object may be cut go through
+    torchvision's path. The image was halved in height by the transform."""
+    model = build("fasterrcnn")
+    heads = model.roi_heads
+    generator = torch.Generator().manual_seed(4)
+    copies, rows, classes = 32, 4, 3
+    corners = torch.tensor([[10.0, 12.0, 40.0, 44.0]]) + torch.randn(rows, 4, generator=generator)
+    held = HeldRows(
+        heads,
+        model.transform,
+        torch.randn(copies * rows, classes, generator=generator),
+        torch.randn(copies * rows, classes * 4, generator=generator) * 0.3,
+        corners,
+        (SIZE, SIZE),
+        (2 * SIZE, SIZE),
+    )
+    reader = camviz.Detection(0).reader(None)
+    for limit, overlap in ((10, 0.5), (1, 0.3)):
+        monkeypatch.setattr(heads, "detections_per_img", limit)
+        monkeypatch.setattr(heads, "nms_thresh", overlap)
+        for label in (1, 2, -1):
+            score = DetectionScore(
+                boxes=torch.tensor([[10.0, 24.0, 40.0, 88.0]]),
+                labels=torch.tensor([label]),
+                reference=torch.tensor([[12.0, 20.0, 42.0, 90.0]]),
+                indices=None,
+                iou=0.3,
+                with_box=with_box,
+                read=reader,
+            )
+            expected = held.torchvision_scores(score, 0, torch.arange(copies))
+            assert label < 0 or expected.count_nonzero() > copies // 4
+            torch.testing.assert_close(copy_scores(held, score, 0), expected, atol=0, rtol=0)

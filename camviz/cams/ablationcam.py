@@ -224,12 +224,12 @@ def _ablated_pass(
         copies[index] = 0
         return copies
 
-    with (
-        edit_spots(data.model, {data.layer: ablate}),
-        held.passes(sample) if mode == "held" and held is not None else nullcontext(),
-    ):
+    fns = [rank.score_fn for rank in ranks]
+    passes = held.passes(sample, fns) if mode == "held" and held is not None else nullcontext()
+    with edit_spots(data.model, {data.layer: ablate}), passes as held_pass:
         output = data.run(inputs, samples)
-    return rank_scores(output, ranks, samples)
+    scored = None if held_pass is None else held_pass.scores()
+    return rank_scores(output, ranks, samples) if scored is None else scored
 
 
 def _failure(error: BaseException) -> str:

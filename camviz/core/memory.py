@@ -107,16 +107,19 @@ def peak_bytes(device: torch.device, run: Callable[[], Result]) -> tuple[Result,
 class LiveTensorBytes(TorchDispatchMode):
     """Tracks the bytes of the tensors created while it is active, and their peak.
 
-    Each new storage an operator returns (not one of its inputs', not a view of a tracked
-    one) is held by a weak reference and counted in ``live``; when ``live`` would pass
-    ``peak``, the storages that died are dropped first, so ``peak`` is the maximum of what
-    the operators made and still existed. Between those checks ``live`` may still count
-    dead storages: it is never below the bytes alive, so a check it does not call for could
-    not raise the peak. Storages under ``SMALL`` bytes are counted as if they never died:
-    ``peak`` is then above the true peak by at most the bytes of those that did, and the
-    weak references to scan are the few large ones (scanning every storage after every
-    operator made a pass that creates thousands of small tensors, a detector's
-    post-processing of hundreds of copies, quadratic in them).
+    Each new storage an operator returns is held by a weak reference and counted in
+    ``live``; when ``live`` would pass ``peak``, the storages that died are dropped first, so
+    ``peak`` is the maximum of what the operators made and still existed. A result is new
+    unless the operator's schema declares it an alias of an input (a view, an in-place or
+    ``out=`` update), which every operator must; the schema is read once per operator, where
+    comparing each result with every argument's storage cost more than the operators of a
+    pass of small ones. Between those checks ``live`` may still count dead storages: it is
+    never below the bytes alive, so a check it does not call for could not raise the peak.
+    Storages under ``SMALL`` bytes are counted as if they never died: ``peak`` is then above
+    the true peak by at most the bytes of those that did, and the weak references to scan
+    are the few large ones (scanning every storage after every operator made a pass that
+    creates thousands of small tensors, a detector's post-processing of hundreds of copies,
+    quadratic in them).
     """
 
     SMALL = 4096
@@ -141,27 +144,44 @@ class LiveTensorBytes(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         output = func(*args, **(kwargs or {}))
-        given = {_storage_key(leaf) for leaf in _tensors((args, kwargs))}
-        for leaf in _tensors(output):
+        results = output if isinstance(output, tuple) else (output,)
+        for fresh, result in zip(_fresh_results(func), results, strict=False):
+            if fresh:
+                self._count(result)
+        if self.live > self.peak:
+            self._forget_freed()
+            self.peak = max(self.peak, self.live)
+        return output
+
+    def _count(self, result: object) -> None:
+        """Count the storages of an operator's result that are not tracked yet."""
+        for leaf in _tensors(result):
             key = _storage_key(leaf)
             if key is not None and key in self.storages and self.storages[key][0].expired():
                 self._forget_freed()  # a new storage where a dead one was
-            if key is None or key in given or key in self.storages:
+            if key is None or key in self.storages:
                 continue
             storage = leaf.untyped_storage()
             if storage.nbytes() >= self.SMALL:
                 self.storages[key] = (StorageWeakRef(storage), storage.nbytes())
             self.live += storage.nbytes()
-        if self.live > self.peak:
-            self._forget_freed()
-            self.peak = max(self.peak, self.live)
-        return output
 
     def _forget_freed(self) -> None:
         for key, (storage, size) in list(self.storages.items()):
             if storage.expired():
                 del self.storages[key]
                 self.live -= size
+
+
+_FRESH: dict[Any, tuple[bool, ...]] = {}
+
+
+def _fresh_results(func: Any) -> tuple[bool, ...]:
+    """For each result of an ATen operator, whether it is new memory: its schema declares no
+    alias of an input."""
+    if func not in _FRESH:
+        _FRESH[func] = tuple(result.alias_info is None for result in func._schema.returns)
+    return _FRESH[func]
 
 
 def _tensors(value: object) -> Iterator[torch.Tensor]:

@@ -49,7 +49,7 @@ from camviz.core.errors import CamvizError
 from camviz.core.inputs import as_batch, as_inputs
 from camviz.core.maps import upsample
 from camviz.core.modelstate import eval_mode, no_grad
-from camviz.core.targets import Context, SpotOutput, Target, as_logits, as_target
+from camviz.core.targets import Context, Target, as_logits, as_target, spots_of
 
 __all__ = [
     "ROAD_FRACTIONS",
@@ -512,8 +512,7 @@ class _Context:
         run = partial(_recorded_pass, model, chosen.spots)
         with eval_mode(model), no_grad():
             output = run(inputs)
-        spots = output.spots if isinstance(output, SpotOutput) else {}
-        resolved = chosen.resolve(output, Context(output_key, spots, len(inputs)))
+        resolved = chosen.resolve(output, Context(output_key, spots_of(output), len(inputs)))
         fns, ids = list(resolved.scores), resolved.class_ids
         if len(fns) != 1:
             raise CamvizError(

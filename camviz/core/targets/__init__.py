@@ -77,6 +77,7 @@ from camviz.core.targets.outputs import (
     is_per_sample_list,
     map_output,
     row_count,
+    spots_of,
     take_rows,
 )
 from camviz.core.targets.protocol import (
@@ -120,6 +121,7 @@ __all__ = [
     "probability_score",
     "row_count",
     "score_fns",
+    "spots_of",
     "take_rows",
     "takes_rows",
 ]

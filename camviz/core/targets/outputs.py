@@ -37,6 +37,12 @@ class SpotOutput:
     spots: Mapping[str, torch.Tensor]
 
 
+def spots_of(output: Any) -> Mapping[str, torch.Tensor]:
+    """What a pass handed on at the spots its target reads: a :class:`SpotOutput`'s, else
+    none."""
+    return output.spots if isinstance(output, SpotOutput) else {}
+
+
 def map_output(output: Any, fn: Callable[[Any], Any]) -> Any:
     """``fn(output)``; for a :class:`SpotOutput`, ``fn`` of its model output, its spots kept
     (a method that transforms the output, SESS's softmax, leaves a unit's spot as it is)."""
