@@ -52,6 +52,7 @@ SLOWEST_FIRST = (
     "test_cli_faults.py",
     "test_distributed.py",
     "test_cli_tasks.py",
+    "test_manifest_scale.py",
     "test_readme.py",
     "test_methods_gradient.py",
     "test_compare.py",
