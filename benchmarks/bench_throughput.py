@@ -6,6 +6,7 @@ Run by hand (never in the tests), on a quiet machine::
     ATEN_CPU_CAPABILITY=avx2 python benchmarks/bench_throughput.py   # PyTorch's AVX2 kernels
     python benchmarks/bench_throughput.py --quick  # 16 images, batch 8: a smoke run
     python benchmarks/bench_throughput.py --all    # also the maps-only and no-panel variants
+    python benchmarks/bench_throughput.py --writer # CPU time of each step of the writer
 
 The images are crops and mirror images of the shipped photos, all 4:3 (so every batch is
 full), written to a temporary folder. Every variant reads them with the same DataLoader
@@ -21,8 +22,16 @@ apply the model's preprocessing) and the same batch size:
   overlays`` (``camviz explain --no-panel``).
 
 Each variant runs once to warm up, then the variants take turns for ``--repeat`` rounds
-(at least 7); each figure is the median of its rounds. The CPU capability that PyTorch's
-kernels use (``ATEN_CPU_CAPABILITY`` chooses a lower one) is printed with the figures.
+(7, as issue 26 asks; fewer for a quick look); each figure is the median of its rounds. The
+CPU capability that PyTorch's kernels use (``ATEN_CPU_CAPABILITY`` chooses a lower one) is
+printed with the figures.
+
+``--writer`` instead times, on one thread and one torch thread, what the folder job spends
+per image: the model's pass (plain inference, and the explaining pass) and each step of the
+writer threads (drawing the overlay and the panel, encoding each), as this
+thread's CPU time (``time.thread_time``), medians of alternating rounds. CPU time per image
+stays meaningful on a machine shared with other work, where images per second do not; on two
+cores, every core-millisecond the writers spend is taken from the model's two threads.
 """
 
 from __future__ import annotations
@@ -42,10 +51,13 @@ from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset
 
 import camviz
+from camviz.cams.engine import explain
 from camviz.core.errors import CamvizError
 from camviz.core.precision import check_precision
 from camviz.io.images import load_image
+from camviz.io.pictures import overlay_and_panel
 from camviz.pipeline.dataset import explain_dataset
+from camviz.pipeline.encoders import save_jpeg, save_png
 from camviz.pipeline.job import Outputs, explain_files
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -86,8 +98,11 @@ class Preprocessed(Dataset):
         return self.preprocess(load_image(self.paths[index]))
 
 
-def median_rates(variants: dict[str, Callable[[], int]], repeat: int) -> dict[str, float]:
-    """Images per second of each variant, the median of its ``repeat`` passes.
+def median_rates(
+    variants: dict[str, Callable[[], int]], repeat: int
+) -> dict[str, tuple[float, float]]:
+    """Images per second of each variant and its CPU milliseconds per image (this process's
+    threads and its DataLoader workers), the medians of its ``repeat`` passes.
 
     Every variant runs once to warm up; then the variants take turns, ``repeat`` rounds,
     so that a busy spell on the machine does not fall on one variant only.
@@ -95,12 +110,67 @@ def median_rates(variants: dict[str, Callable[[], int]], repeat: int) -> dict[st
     for run in variants.values():
         run()
     rates: dict[str, list[float]] = {name: [] for name in variants}
+    costs: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeat):
         for name, run in variants.items():
-            start = time.perf_counter()
+            before, start = os.times(), time.perf_counter()
             count = run()
             rates[name].append(count / (time.perf_counter() - start))
-    return {name: statistics.median(values) for name, values in rates.items()}
+            after = os.times()  # the workers have ended: their time is in children_*
+            spent = sum(after[:4]) - sum(before[:4])
+            costs[name].append(spent * 1000 / count)
+    return {
+        name: (statistics.median(rates[name]), statistics.median(costs[name])) for name in rates
+    }
+
+
+def writer_steps(loaded: Any, paths: list[Path], out: Path, repeat: int) -> dict[str, float]:
+    """Milliseconds of this thread's CPU time per image, one torch thread: the model's
+    pass (plain and explaining, per image of a batch) and each step of the folder job's
+    writer, medians of ``repeat`` alternating rounds (see the module docstring)."""
+    torch.set_num_threads(1)
+    results = [result for result in explain_dataset(loaded, paths) if result.ok]
+    batch = torch.stack([loaded.preprocess(result.image) for result in results])
+    out.mkdir(parents=True, exist_ok=True)
+    drawn = {}
+
+    def inference() -> None:
+        with torch.inference_mode():
+            loaded.model(batch)
+
+    def explaining() -> None:
+        explain(loaded.model, batch, "gradcam", loaded.default_layer)
+
+    def draw() -> None:
+        for result in results:
+            drawn[result.index] = overlay_and_panel(
+                result.image, result.heatmaps[0], title=f"{result.explained[0].name}: p=0.50"
+            )
+
+    def encode(kind: int) -> Callable[[], None]:
+        def run() -> None:
+            for index, pictures in drawn.items():
+                (save_png if kind == 0 else save_jpeg)(pictures[kind], out / f"{index}_{kind}")
+
+        return run
+
+    steps = {
+        "plain inference, per image": inference,
+        "explaining pass (Grad-CAM), per image": explaining,
+        "overlay and panel drawn": draw,
+        "overlay PNG encoded and written": encode(0),
+        "panel JPEG encoded and written": encode(1),
+    }
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_ in range(repeat + 1):
+        for name, step in steps.items():
+            for path in out.iterdir():  # new files, as in a run (replacing costs more)
+                path.unlink()
+            start = time.thread_time()
+            step()
+            if round_:  # the first round warms up
+                times[name].append((time.thread_time() - start) * 1000 / len(results))
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main() -> None:
@@ -108,17 +178,20 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--workers", type=int, default=min(4, max(0, (os.cpu_count() or 1) - 1)))
-    parser.add_argument("--repeat", type=int, default=7, help="rounds (at least 7)")
+    parser.add_argument(
+        "--repeat", type=int, default=7, help="rounds (7; fewer for a quick look only)"
+    )
     parser.add_argument("--quick", action="store_true", help="16 images, batch 8, one pass")
     parser.add_argument("--all", action="store_true", help="also maps only and overlays only")
     parser.add_argument("--threads", type=int, help="torch threads; 1 on a busy machine")
+    parser.add_argument("--writer", action="store_true", help="CPU time of the writer's steps")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
         args.images, args.batch, args.repeat = 16, 8, 1
-    elif args.repeat < 7:
-        parser.error("--repeat must be at least 7: each figure is a median of 7 rounds or more")
+    elif args.repeat < 1:
+        parser.error("--repeat must be at least 1 (7 for the figures issue 26 asks for)")
     loaded = camviz.io.models.load()
     reduced: dict[str, Any] = {"precision": "bf16", "channels_last": True}
     try:
@@ -134,6 +207,13 @@ def main() -> None:
         (folder / "images").mkdir()
         paths = make_images(folder / "images", args.images)
         out = folder / "out"
+        if args.writer:
+            steps = writer_steps(loaded, paths[: args.batch], out, args.repeat)
+            print(f"{loaded.name}, one thread, CPU time per 400x300 image, median of {args.repeat}")
+            print("| step | ms of CPU time per image |\n| --- | --- |")
+            for name, milliseconds in steps.items():
+                print(f"| {name} | {milliseconds:.1f} |")
+            return
 
         def inference() -> int:
             loader = DataLoader(
@@ -186,10 +266,11 @@ def main() -> None:
         f"torch threads, {os.cpu_count()} CPUs, torch {torch.__version__}, CPU capability "
         f"{torch.backends.cpu.get_cpu_capability()}, median of {args.repeat} rounds\n"
     )
-    print("| variant | images/s | vs inference |")
-    print("| --- | --- | --- |")
-    for name, rate in rates.items():
-        print(f"| {name} | {rate:.1f} | {rate / rates['inference']:.2f}x |")
+    print("| variant | images/s | vs inference | CPU ms per image |")
+    print("| --- | --- | --- | --- |")
+    reference = rates["inference"][0]
+    for name, (rate, cost) in rates.items():
+        print(f"| {name} | {rate:.1f} | {rate / reference:.2f}x | {cost:.0f} |")
 
 
 if __name__ == "__main__":

@@ -33,12 +33,46 @@ def pytest_configure(config: pytest.Config) -> None:
     if "PYTEST_XDIST_WORKER" in os.environ:
         torch.set_num_threads(CORES)
         os.environ["OMP_NUM_THREADS"] = str(CORES)
+    # pytest-xdist hands out files in the order of the collection (below) only without its
+    # own reordering, which puts the files with the most tests first: the notebooks' file
+    # (21 tests, the longest) started a minute into the run, and single-test files that take
+    # half a minute came last.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+# The slowest files, slowest first (the notebooks, then the files over about 5 s on one
+# core, measured on the 2-core machine on 2026-12-02): under ``-n auto --dist loadfile`` (the
+# README's command) each worker takes the next file when it runs dry, so the long ones start
+# at once and the run ends with short files, not with one worker finishing a long one alone.
+SLOWEST_FIRST = (
+    "test_notebooks.py",
+    "test_app.py",
+    "test_distributed_nodes.py",
+    "test_cli_faults.py",
+    "test_distributed.py",
+    "test_cli_tasks.py",
+    "test_manifest_scale.py",
+    "test_readme.py",
+    "test_methods_gradient.py",
+    "test_compare.py",
+    "test_units_cli.py",
+    "test_default_layers.py",
+    "test_models.py",
+    "test_segmentation_video.py",
+    "test_units.py",
+    "test_render_pillow.py",
+    "test_cli.py",
+    "test_multilevel.py",
+    "test_video.py",
+    "test_methods_perturbation.py",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The notebooks first: under ``-n auto --dist loadfile`` (the README's command) their file
-    is the longest, so one worker starts it while the others share every other file."""
-    items.sort(key=lambda item: item.get_closest_marker("notebooks") is None)
+    """The files in the order of :data:`SLOWEST_FIRST`, then every other file as collected."""
+    rank = {name: place for place, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import conv_net
 from PIL import Image
 
 import camviz
@@ -24,11 +25,12 @@ from camviz.core.errors import CamvizError
 from camviz.io.atomic import atomic_write
 from camviz.io.images import load_image
 from camviz.io.models import LoadedModel
-from camviz.pipeline.dataset import _Buckets, _Sample, explain_dataset
+from camviz.pipeline.dataset import ItemDataset, _Buckets, _Prepared, _Sample, explain_dataset
 from camviz.pipeline.distributed import Context, shard
 from camviz.pipeline.inputs import expand
 from camviz.pipeline.job import Outputs, save_heatmap
 from camviz.pipeline.manifest import written_files
+from camviz.pipeline.packing import batched, packed
 from camviz.pipeline.writer import Writer
 
 MODEL = "mobilenet_v3_small"
@@ -375,3 +377,45 @@ def test_a_killed_run_resumes_to_the_clean_result(
     for path in resumed.glob("*.png"):
         with Image.open(path) as image:
             image.load()
+
+
+def test_a_workers_batch_crosses_packed_and_explains_as_in_one_process(tmp_path, make_photos):
+    """A worker packs a batch's inputs per shape and its originals into a few shared blocks;
+    the batches of one shape are explained from them without a copy, and every result (map,
+    photo) is the one the main process makes reading the files itself."""
+    sizes = {f"{n}.png": (40, 30) if n % 3 else (30, 40) for n in range(6)}
+    paths = make_photos(tmp_path, sizes)
+    model = conv_net(4, padding=1)
+    preprocess = camviz.Preprocess(size=16)
+    results = {
+        workers: {
+            result.index: result
+            for result in explain_dataset(
+                model, paths, preprocess=preprocess, layer="1", batch_size=2, workers=workers
+            )
+        }
+        for workers in (0, 1)
+    }
+    assert sorted(results[1]) == list(range(6))
+    for index, result in results[1].items():
+        alone = results[0][index]
+        assert torch.equal(result.heatmaps, alone.heatmaps)
+        assert np.array_equal(np.asarray(result.image), np.asarray(alone.image))
+    loader = torch.utils.data.DataLoader(
+        _Prepared(ItemDataset(expand(paths)), preprocess, keep_images=True),
+        batch_size=6,
+        num_workers=1,
+        collate_fn=packed,
+    )
+    (samples,) = list(loader)
+    storages = {tuple(sample.inputs.shape): set() for sample in samples}
+    for sample in samples:
+        storages[tuple(sample.inputs.shape)].add(sample.inputs.untyped_storage().data_ptr())
+    assert [len(blocks) for blocks in storages.values()] == [1, 1]  # one block per shape
+    assert len({sample.original.untyped_storage().data_ptr() for sample in samples}) == 1
+    rows = [sample.inputs for sample in samples if sample.inputs.shape == samples[1].inputs.shape]
+    batch = batched(rows[:2])  # two consecutive rows of a block: the block itself
+    assert batch.untyped_storage().data_ptr() == rows[0].untyped_storage().data_ptr()
+    assert torch.equal(batch, torch.stack(rows[:2]))
+    apart = batched([rows[0], rows[2]])  # not consecutive: a new stacked tensor
+    assert torch.equal(apart, torch.stack([rows[0], rows[2]]))

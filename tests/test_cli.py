@@ -110,7 +110,7 @@ def test_unreadable_image_among_good_ones_is_skipped_and_listed(
     out = tmp_path / "out"
     notes = bad_image(tmp_path)
     args = [str(cat_path), str(notes), "--model", "resnet18", "--weights", tiny_checkpoint]
-    assert main(["explain", *args, "--no-panel", "--out", str(out)]) == 0
+    assert main(["explain", *args, "--input-size", "64", "--no-panel", "--out", str(out)]) == 0
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and error.startswith(f"camviz: skipped {notes}: ")
     cat, notes_row = manifest_rows(out)
@@ -157,6 +157,7 @@ def test_layout_is_checked_as_an_argument_and_recorded(
     assert exited.value.code == 2 and "unknown layout 'grid'" in error and "Traceback" not in error
     out = tmp_path / "out"
     args = [str(cat_path), *model, "--layer", "layer4", "--layout", "channels_first"]
+    args += ["--input-size", "64"]
     assert main(["explain", *args, "--no-panel", "--out", str(out)]) == 0
     assert json.loads((out / "manifest.json").read_text())["settings"]["layout"] == "channels_first"
     assert manifest_rows(out)[0]["status"] == "ok"

@@ -192,13 +192,13 @@ def _check_box_drawn(out, entry: dict, image: Image.Image) -> None:
 
 @pytest.fixture(scope="module")
 def video(tmp_path_factory):
-    """A 20-frame 64x48 video of a moving bright square, and a random 4-class mc3_18."""
+    """A 10-frame 64x48 video of a moving bright square, and a random 4-class mc3_18."""
     import cv2
 
     folder = tmp_path_factory.mktemp("video")
     path = folder / "clip.mp4"
     writer = cv2.VideoWriter(str(path), cv2.VideoWriter.fourcc(*"mp4v"), 10, (64, 48))
-    for frame in range(20):
+    for frame in range(10):
         pixels = np.zeros((48, 64, 3), np.uint8)
         pixels[10:30, 5 + 2 * frame : 25 + 2 * frame] = 255
         writer.write(pixels)
@@ -215,14 +215,14 @@ def test_video_model_writes_an_overlay_video_and_a_row_per_clip(video, tmp_path,
     path, weights = video
     out = tmp_path / "out"
     options = ["--model", VIDEO_MODEL, "--weights", weights, "--input-size", "24"]
-    options += ["--clip-len", "8", "--stride", "8", "--heatmap", "npz", "--workers", "0"]
+    options += ["--clip-len", "4", "--stride", "4", "--heatmap", "npz", "--workers", "0"]
     assert main(["explain", str(path), "--out", str(out), "--quiet", *options]) == 0
 
     rows = manifest_rows(out)
-    # Clips of 8 frames every 8th frame, and one ending with the 20-frame video.
-    assert [row["frame"] for row in rows] == [0, 8, 12]
+    # Clips of 4 frames every 4th frame, and one ending with the 10-frame video.
+    assert [row["frame"] for row in rows] == [0, 4, 6]
     whole = cv2.VideoCapture(str(out / "clip_overlay.mp4"))
-    assert whole.get(cv2.CAP_PROP_FRAME_COUNT) == 8 + 4 + 8  # frames 0..19, each once
+    assert whole.get(cv2.CAP_PROP_FRAME_COUNT) == 4 + 2 + 4  # frames 0..9, each once
     whole.release()
     loaded = _loaded(VIDEO_MODEL, weights, 24)
     capture = cv2.VideoCapture(str(path))
@@ -231,20 +231,20 @@ def test_video_model_writes_an_overlay_video_and_a_row_per_clip(video, tmp_path,
         frames.append(Image.fromarray(np.ascontiguousarray(read[1][..., ::-1])))
     capture.release()
     clips = [
-        torch.stack([loaded.preprocess(frame) for frame in frames[start : start + 8]], dim=1)
-        for start in (0, 8, 12)
+        torch.stack([loaded.preprocess(frame) for frame in frames[start : start + 4]], dim=1)
+        for start in (0, 4, 6)
     ]
     reference = camviz.explain(loaded.model, torch.stack(clips), "gradcam")
     for number, row in enumerate(rows):
         (entry,) = row["explained"]
         assert entry["id"] == reference.targets[number].item() == row["top5"][0]["id"]
         heatmap = np.load(out / entry["files"]["heatmap"])["heatmap"]
-        assert heatmap.shape[0] == 8
+        assert heatmap.shape[0] == 4
         assert np.abs(heatmap - reference.heatmaps[number].numpy()).max() < 1e-5
         written = cv2.VideoCapture(str(out / entry["files"]["overlay"]))
         shape = [written.get(cv2.CAP_PROP_FRAME_COUNT), written.get(cv2.CAP_PROP_FRAME_WIDTH)]
         written.release()
-        assert shape == [8, 64]  # T frames at the video's own size
+        assert shape == [4, 64]  # T frames at the video's own size
 
 
 def test_a_model_the_input_does_not_fit_fails_with_one_line(video, detector, tmp_path, capsys):

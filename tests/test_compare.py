@@ -28,7 +28,7 @@ STEPS = 5
 def synthetic_model() -> LoadedModel:
     return LoadedModel(
         model=load_model(),
-        preprocess=Preprocess(size=64, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0)),
+        preprocess=Preprocess(size=32, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0)),
         categories=list(CLASSES),
         name="synthetic_cnn",
         default_layer=TARGET_LAYER,
@@ -37,9 +37,9 @@ def synthetic_model() -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, synthetic_model):
-    """Every registered method on two synthetic images, written to a folder."""
+    """Every registered method on two synthetic 32 px images, written to a folder."""
     folder = tmp_path_factory.mktemp("compare")
-    data = make_dataset(2, seed=99)
+    data = make_dataset(2, size=32, seed=99)
     paths = []
     for index, image in enumerate(data.images):
         paths.append(folder / f"shape{index}.png")
@@ -101,7 +101,7 @@ def test_the_page_is_self_contained(report):
     sources = re.findall(r'(?:src|href)="([^"]*)"', page)
     assert sources and all(source.startswith("data:image/png;base64,") for source in sources)
     assert "http://" not in page and "https://" not in page
-    assert len(page) < 10_000 * len(comparison.cells)  # 64 x 64 thumbnails: a few kB each
+    assert len(page) < 10_000 * len(comparison.cells)  # 32 x 32 thumbnails: a few kB each
 
 
 def chromium() -> str:
@@ -185,7 +185,8 @@ window.addEventListener("load", () => {
 
 def test_the_command_line(tmp_path, cat_path, tiny_checkpoint, capsys):
     out = tmp_path / "out"
-    common = ["--model", "resnet18", "--weights", tiny_checkpoint, "--out", str(out)]
+    common = ["--model", "resnet18", "--weights", tiny_checkpoint, "--input-size", "64"]
+    common += ["--out", str(out)]
     status = main(["compare", str(cat_path), *common, "--methods", "gradcam", "--steps", "3"])
     assert status == 0
     assert sorted(path.name for path in out.iterdir()) == [

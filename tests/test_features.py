@@ -165,7 +165,8 @@ def test_features_cli_writes_a_grid_and_a_figure_per_layer(tmp_path, tiny_checkp
     Image.linear_gradient("L").convert("RGB").resize((64, 48)).save(image)
     out = tmp_path / "out"
     arguments = ["features", str(image), "--model", "resnet18", "--weights", tiny_checkpoint]
-    arguments += ["--layer", "layer1.0.conv*", "--layer", "layer4", "--out", str(out)]
+    arguments += ["--layer", "layer1.0.conv*", "--layer", "layer4", "--input-size", "64"]
+    arguments += ["--out", str(out)]
     assert camviz.cli.main([*arguments, "--channels", "4", "--order", "strongest"]) == 0
     layers = ["layer1.0.conv1", "layer1.0.conv2", "layer4"]
     assert sorted(path.name for path in out.iterdir()) == sorted(
@@ -176,14 +177,14 @@ def test_features_cli_writes_a_grid_and_a_figure_per_layer(tmp_path, tiny_checkp
     # The grid file holds the 4 strongest channels of that layer for that image, as the
     # Python API draws them (save_image rounds [0, 1] floats to bytes), each value drawn as
     # a square block so that every tile is at least 64 pixels on its short side.
-    loaded = load("resnet18", weights=tiny_checkpoint)
+    loaded = load("resnet18", weights=tiny_checkpoint, input_size=64)
     maps = features(loaded.model, loaded.preprocess(load_image(image))[None], "layer1.0.conv2")
     activations = maps["layer1.0.conv2"]
-    factor = 2  # layer1 maps are 56 x 75 for this 224 x 299 input
-    assert min(activations.shape[-2:]) == 56
+    factor = 4  # layer1 maps are 16 x 22 for this 64 x 85 input
+    assert activations.shape[-2:] == (16, 22)
     enlarged = activations.repeat_interleave(factor, -2).repeat_interleave(factor, -1)
     expected = channel_grid(enlarged, channels=4, order="strongest")
-    assert expected.shape[-2:] == (2 * 112 + 3, 2 * 150 + 3)  # 2 x 2 tiles, 1 px lines
+    assert expected.shape[-2:] == (2 * 64 + 3, 2 * 88 + 3)  # 2 x 2 tiles, 1 px lines
     expected = (expected * 255 + 0.5).clamp(0, 255).to(torch.uint8).permute(1, 2, 0)
     with Image.open(out / "layer1.0.conv2_grid.png") as written:
         assert torch.equal(torch.from_numpy(np.array(written.convert("RGB"))), expected)

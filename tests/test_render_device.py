@@ -12,10 +12,10 @@ from conftest import conv_net
 from PIL import Image
 
 from camviz.core.maps import upsample
-from camviz.io import pictures
+from camviz.io import blending, pictures
 from camviz.io.images import Preprocess
 from camviz.io.models import LoadedModel
-from camviz.io.pictures import clipped
+from camviz.io.pictures import clipped, overlay_and_panel
 from camviz.io.render import overlay, panel_image
 
 
@@ -76,7 +76,7 @@ def test_large_downscales_give_pillows_exact_resize(photo):
     """From 4x down Pillow's panels took its reducing_gap shortcut (a box filter first);
     torch resizes exactly, as Pillow does without the shortcut."""
     pixels = torch.from_numpy(np.array(photo))
-    tile = pictures._resized_pixels(pixels, (24, 18)).numpy()
+    tile = blending.resized_pixels(pixels, (24, 18)).numpy()
     _within_a_level(tile, np.asarray(photo.resize((24, 18), Image.Resampling.BILINEAR)))
 
 
@@ -96,13 +96,12 @@ def test_the_folder_job_draws_on_a_cuda_gpu_and_else_on_the_cpu(tmp_path, photo,
 
         return drawn
 
-    monkeypatch.setattr(job, "overlay", spy(overlay))
-    monkeypatch.setattr(job, "panel_image", spy(panel_image))
+    monkeypatch.setattr(job, "overlay_and_panel", spy(overlay_and_panel))
     monkeypatch.setattr(job, "drawing_device", lambda device: device)  # the CPU as the GPU
     model = conv_net(4, classes=None, padding=1)  # four scores
     photo.save(tmp_path / "photo.png")
     loaded = LoadedModel(model, Preprocess(size=16), ["a", "b", "c", "d"], "tiny")
     job.explain_files(tmp_path / "photo.png", tmp_path / "out", loaded, layer="1")
-    assert devices == [torch.device("cpu")] * 2
+    assert devices == [torch.device("cpu")]  # the overlay and the panel, drawn together
     with Image.open(tmp_path / "out" / "photo_overlay.png") as written:
         assert written.size == photo.size

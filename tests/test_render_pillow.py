@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import conv_net
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
 import camviz
 from camviz.core.maps import upsample
 from camviz.io import colormaps
-from camviz.io.pictures import PANEL_TILE_WIDTH, clipped
+from camviz.io.pictures import PANEL_TILE_WIDTH, clipped, overlay_and_panel
 from camviz.io.render import heatmap_image, overlay, panel_image
+from camviz.io.titles import draw_title
 
 
 @pytest.fixture
@@ -213,3 +214,31 @@ def test_folder_job_draws_pixel_level_maps_clipped_and_panels_as_jpeg(tmp_path, 
     assert not np.array_equal(drawn, np.asarray(overlay(photo, heatmap)))
     with Image.open(tmp_path / "out" / "photo_panel.jpg") as panel:
         assert panel.format == "JPEG" and panel.width == 3 * PANEL_TILE_WIDTH + 4 * 10
+
+
+@pytest.mark.parametrize("size", [(400, 300), (60, 45)])
+def test_overlay_and_panel_drawn_together_are_the_pictures_drawn_apart(heatmap, size):
+    """The folder job draws both from one blend (at 400 pixels wide the panel's overlay tile
+    is the overlay): the pictures of overlay and panel_image, pixel for pixel."""
+    generator = np.random.default_rng(2)
+    photo = Image.fromarray(generator.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    options = {"alpha": 0.3, "colormap": "viridis", "clip": 99.0}
+    drawn, panel = overlay_and_panel(photo, heatmap, title="tabby cat: p=0.62", **options)
+    np.testing.assert_array_equal(np.asarray(drawn), np.asarray(overlay(photo, heatmap, **options)))
+    alone = panel_image(photo, heatmap, title="tabby cat: p=0.62", **options)
+    np.testing.assert_array_equal(np.asarray(panel), np.asarray(alone))
+
+
+def test_a_title_set_word_by_word_is_pillows_line_of_text():
+    """Titles are pasted from words rendered once: the same ink as Pillow's own rendering
+    of the whole line, in the same place to a pixel."""
+    title = "tabby, tabby cat: p=0.62 (gradcam, layer bn2)"
+    ours, pillows = (Image.new("L", (700, 40), 255) for _ in range(2))
+    draw_title(ours, title, 10, 18)
+    font = ImageFont.load_default(18)
+    ImageDraw.Draw(pillows).text((350, 10), title, fill=0, font=font, anchor="ma")
+    ink = [255 - np.asarray(picture, dtype=np.int64) for picture in (ours, pillows)]
+    assert abs(ink[0].sum() - ink[1].sum()) < 0.02 * ink[1].sum()
+    for axis in (0, 1):  # the inked columns and rows, within one pixel
+        spans = [np.flatnonzero(values.sum(axis=axis) > 0) for values in ink]
+        assert abs(spans[0][0] - spans[1][0]) <= 1 and abs(spans[0][-1] - spans[1][-1]) <= 1

@@ -60,7 +60,7 @@ def test_region_grad_cam_equals_the_hand_formula_and_pytorch_grad_cam(
     from pytorch_grad_cam import GradCAM
     from pytorch_grad_cam.utils.model_targets import SemanticSegmentationTarget
 
-    images = torch.rand(1, 3, 96, 96, generator=torch.Generator().manual_seed(1))
+    images = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = segmenter(images)["out"]
     predicted = logits[0].argmax(0)

@@ -136,6 +136,8 @@ def test_cli_similar_to_writes_the_similarity_map(tmp_path, cat_path, coffee_pat
     out = tmp_path / "out"
     arguments = ["explain", str(cat_path), "--model", "resnet18", "--weights", tiny_checkpoint]
     options = [
+        "--input-size",
+        "64",
         "--similar-to",
         str(coffee_path),
         "--heatmap",
@@ -146,7 +148,7 @@ def test_cli_similar_to_writes_the_similarity_map(tmp_path, cat_path, coffee_pat
     ]
     assert main([*arguments, *options, "--quiet"]) == 0
     written = np.load(out / "chelsea_heatmap.npz")["heatmap"]
-    loaded = load("resnet18", weights=tiny_checkpoint)
+    loaded = load("resnet18", weights=tiny_checkpoint, input_size=64)
     query = loaded.preprocess(load_image(cat_path))
     reference = loaded.preprocess(load_image(coffee_path))
     expected = camviz.explain(

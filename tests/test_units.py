@@ -408,9 +408,9 @@ def test_a_pretrained_channel_is_excited_more_by_its_image_than_by_any_real_phot
     offline_model, real_photos
 ):
     unit = Unit("blocks.3", channel=7)
-    image = visualize_unit(offline_model, unit, size=128, steps=128)
+    image = visualize_unit(offline_model, unit, size=64, steps=64)
     preprocess = offline_model.preprocess
-    small = Preprocess(size=128, mean=preprocess.mean, std=preprocess.std)
+    small = Preprocess(size=64, mean=preprocess.mean, std=preprocess.std)
     (best,) = top_examples(
         offline_model, real_photos, unit, k=1, statistic="mean", preprocess=small, batch_size=50
     )

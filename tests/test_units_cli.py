@@ -39,11 +39,12 @@ def test_units_ranks_the_photos_as_the_api_does_and_resumes(
 ):
     out = tmp_path / "units"
     command = ["units", str(few_photos), "--model", "resnet18", "--weights", tiny_checkpoint]
-    command += ["--layer", "layer1", "--channels", "0-1", "--k", "3", "--out", str(out)]
+    command += ["--layer", "layer1", "--channels", "0-1", "--k", "3", "--input-size", "64"]
+    command += ["--out", str(out)]
     assert main(command) == 0
     assert "2 channels of layer1" in capsys.readouterr().out
     results = json.loads((out / "units.json").read_text())
-    loaded = load("resnet18", weights=tiny_checkpoint)
+    loaded = load("resnet18", weights=tiny_checkpoint, input_size=64)
     tops = camviz.top_examples(loaded, few_photos, Unit("layer1", channel=[0, 1]), k=3)
     for entry, top in zip(results["channels"], tops, strict=True):
         assert [e["file"] for e in entry["examples"]] == [e.path for e in top.examples]
@@ -101,8 +102,9 @@ def test_features_order_weight_draws_the_channels_the_class_weighs_most(
     out = tmp_path / "features"
     command = ["features", str(cat_path), "--model", "mobilenet_v3_small"]
     command += ["--weights", tiny_mobilenet, "--layer", "features.3", "--channels", "4"]
-    assert main([*command, "--order", "weight", "--tile", "1", "--out", str(out)]) == 0
-    loaded = load("mobilenet_v3_small", weights=tiny_mobilenet)
+    command += ["--input-size", "64", "--order", "weight", "--tile", "1"]
+    assert main([*command, "--out", str(out)]) == 0
+    loaded = load("mobilenet_v3_small", weights=tiny_mobilenet, input_size=64)
     inputs = loaded.preprocess(load_image(cat_path)).unsqueeze(0)
     explained = camviz.explain(loaded.model, inputs, layer="features.3")
     with torch.no_grad():
@@ -124,8 +126,8 @@ def test_explain_a_channel_from_the_command_line_at_the_layer_before_it(
     out = tmp_path / "explained"
     command = ["explain", str(cat_path), "--model", "resnet18", "--weights", tiny_checkpoint]
     command += ["--target", "unit:layer2@3", "--heatmap", "npz", "--no-panel", "--out", str(out)]
-    assert main(command) == 0
-    loaded = load("resnet18", weights=tiny_checkpoint)
+    assert main([*command, "--input-size", "64"]) == 0
+    loaded = load("resnet18", weights=tiny_checkpoint, input_size=64)
     inputs = loaded.preprocess(load_image(cat_path)).unsqueeze(0)
     expected = camviz.explain(
         loaded.model, inputs, layer="layer1", target=Unit("layer2", channel=3)

@@ -41,11 +41,10 @@ def from_checkpoint(architecture: Architecture, path: Path) -> tuple[nn.Module, 
         The model and its number of classes, read off the checkpoint's classifier.
     """
     state_dict = read_state_dict(path)
-    model = architecture.build(architecture.num_classes)
-    state_dict = _without_auxiliary_head(model.state_dict(), state_dict)
-    num_classes = _checkpoint_classes(model.state_dict(), state_dict, architecture.num_classes)
-    if num_classes != architecture.num_classes:
-        model = architecture.build(num_classes)
+    layout = _layout(architecture)
+    state_dict = _without_auxiliary_head(layout, state_dict)
+    num_classes = _checkpoint_classes(layout, state_dict, architecture.num_classes)
+    model = architecture.build(num_classes)
     problems = _mismatches(model.state_dict(), state_dict)
     if problems:
         raise CamvizError(
@@ -54,6 +53,19 @@ def from_checkpoint(architecture: Architecture, path: Path) -> tuple[nn.Module, 
         )
     model.load_state_dict(state_dict)
     return model, num_classes
+
+
+def _layout(architecture: Architecture) -> dict[str, torch.Tensor]:
+    """The architecture's own state_dict, for its names and shapes only: built on the meta
+    device, which allocates nothing and skips the random initialisation (half a second for a
+    ResNet-18) that a real model built only to read the checkpoint's class count would cost.
+    An architecture whose construction reads tensor values (RegNet's block widths) cannot be
+    built there, and is built for real."""
+    try:
+        with torch.device("meta"):
+            return architecture.build(architecture.num_classes).state_dict()
+    except (NotImplementedError, RuntimeError):
+        return architecture.build(architecture.num_classes).state_dict()
 
 
 def load_weights(model: nn.Module, path: Path, name: str) -> None:

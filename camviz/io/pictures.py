@@ -1,19 +1,21 @@
-"""Pictures drawn with torch and Pillow: colours, overlays, panels, channel grids, boxes.
+"""Pictures drawn with torch, OpenCV and Pillow: colours, overlays, panels, grids, boxes.
 
 This is the batch path of ``camviz explain``, and it never imports matplotlib (about 2 s,
 and a global font cache): maps are coloured with the look-up tables of
 :mod:`camviz.io.colormaps` (the same colours as matplotlib's; only a colour map whose table
-does not ship is asked of matplotlib), blended with torch and captioned with Pillow's font,
-a few tensor operations per picture. The matplotlib figures are in :mod:`camviz.io.figures`,
-files in :mod:`camviz.io.output`; users reach all three through :mod:`camviz.render`.
+does not ship is asked of matplotlib), blended (:mod:`camviz.io.blending`) and captioned
+with Pillow's font (titles from words rendered once, :mod:`camviz.io.titles`), a few array
+operations per picture. The matplotlib figures are in :mod:`camviz.io.figures`, files in
+:mod:`camviz.io.output`; users reach all three through :mod:`camviz.render`.
 
 Heatmaps are ``(H, W)`` torch tensors or numpy arrays with values in ``[0, 1]``, such as
 one row of :attr:`camviz.Explanation.heatmaps`. They may come from any device. Overlays and
-panels are computed with torch on the CPU, or with ``device="cuda"`` on the GPU: the photo
-goes up once, the map is resized, coloured and blended there, and each picture comes back
-once, as uint8, to be encoded. The same code runs on both; on the CPU torchvision's uint8
-resize of the panel's photo tile gives Pillow's pixels in about half Pillow's time
-(``benchmarks/bench_render_device.py``).
+panels are computed on the CPU (with OpenCV's look-up table and blend), or with
+``device="cuda"`` on the GPU with torch: the photo goes up once, the map is resized,
+coloured and blended there, and each picture comes back once, as uint8, to be encoded. On
+both, torchvision's uint8 resize of the panel's photo tile gives Pillow's pixels in about
+half Pillow's time (``benchmarks/bench_render_device.py``). :func:`overlay_and_panel` draws
+both pictures of one map and makes what they share once (the folder job's files).
 
 Overlays are drawn at the *original* image's size: the heatmap (computed at the model's
 input size) is stretched back onto the photo, not the photo squeezed to the model's size.
@@ -22,7 +24,7 @@ high percentile (``clip=99``): a few pixels hold the maximum, and unclipped the 
 looks empty.
 
 The helpers without a leading underscore that :mod:`camviz.render` does not list
-(:func:`as_map`, :func:`clipped`, :func:`blend`, ...) are shared with the figures, the
+(:func:`as_map`, :func:`clipped`, :func:`resized_map`, ...) are shared with the figures, the
 files and the command line; they are not part of the public API.
 """
 
@@ -37,14 +39,15 @@ from typing import TYPE_CHECKING, Literal, TypeAlias
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
-from torchvision.transforms.v2.functional import resize
 from torchvision.utils import make_grid
 
 from camviz.core.errors import CamvizError
 from camviz.core.maps import normalize as normalize_maps
 from camviz.core.maps import upsample
+from camviz.io.blending import Blend, blend, resized_pixels
 from camviz.io.colormaps import apply, lookup_table
 from camviz.io.images import to_rgb
+from camviz.io.titles import draw_title
 
 if TYPE_CHECKING:
     from matplotlib.colors import Colormap
@@ -149,11 +152,8 @@ def overlay(
     Returns:
         An RGB image of ``image.size``.
     """
-    _check_alpha(alpha)
-    pixels = _pixels(as_rgb(image), device)
-    height, width = pixels.shape[:2]
-    values = resized_map(clipped(as_map(heatmap, pixels.device), clip), (width, height))
-    return _picture(blend(pixels, values, alpha, lookup_table(colormap)))
+    drawing = _drawing(image, heatmap, alpha, colormap, clip, device)
+    return _picture(drawing.blended(drawing.size))
 
 
 def panel_image(
@@ -183,33 +183,62 @@ def panel_image(
         width: Width of each of the three pictures, in pixels.
         device: Where the pictures are computed; see :func:`overlay`.
     """
+    return _panel(_drawing(image, heatmap, alpha, colormap, clip, device), title, width)
+
+
+def overlay_and_panel(
+    image: Image.Image,
+    heatmap: Heatmap,
+    *,
+    title: str = "",
+    alpha: float = 0.5,
+    colormap: str | Colormap = "jet",
+    clip: float | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[Image.Image, Image.Image]:
+    """:func:`overlay` and :func:`panel_image` of one photo and map (the same pictures),
+    drawn together, so that what both hold is made once: for a photo 400 pixels wide the
+    panel's overlay tile is the overlay itself. The folder job draws its files with it."""
+    drawing = _drawing(image, heatmap, alpha, colormap, clip, device)
+    return _picture(drawing.blended(drawing.size)), _panel(drawing, title, PANEL_TILE_WIDTH)
+
+
+def _drawing(
+    image: Image.Image,
+    heatmap: Heatmap,
+    alpha: float,
+    colormap: str | Colormap,
+    clip: float | None,
+    device: torch.device | str | None,
+) -> Blend:
+    """The photo and the map, checked, on ``device``, ready to be drawn."""
     _check_alpha(alpha)
-    rgb = as_rgb(image)
-    size = (width, max(1, round(rgb.height * width / rgb.width)))
-    pixels = _resized_pixels(_pixels(rgb, device), size)
-    values = resized_map(clipped(as_map(heatmap, pixels.device), clip), size)
-    colours = apply(values, lookup_table(colormap))  # once, for the heatmap and the overlay
-    gap = torch.full((size[1], _PANEL_GAP, 3), 255, dtype=torch.uint8, device=pixels.device)
-    # The three pictures side by side with their gaps: one copy back to the CPU.
-    strip = torch.cat([pixels, gap, colours, gap, blend_colours(pixels, colours, alpha)], dim=1)
+    pixels = _pixels(as_rgb(image), device)
+    values = clipped(as_map(heatmap, pixels.device), clip)
+    return Blend(pixels, values, lookup_table(colormap), alpha)
+
+
+def _panel(drawing: Blend, title: str, width: int) -> Image.Image:
+    """The panel of :func:`panel_image`: three pictures ``width`` wide, captioned, titled."""
+    size = (width, max(1, round(drawing.size[1] * width / drawing.size[0])))
     top = _PANEL_GAP + (_TITLE_SIZE + _PANEL_GAP if title else 0)
     picture_top = top + _CAPTION_SIZE + _PANEL_GAP // 2
-    canvas = Image.new(
-        "RGB", (3 * width + 4 * _PANEL_GAP, picture_top + size[1] + _PANEL_GAP), "white"
-    )
-    if title:
-        font = ImageFont.load_default(_TITLE_SIZE)
-        ImageDraw.Draw(canvas).text(
-            (canvas.width / 2, _PANEL_GAP), title, fill="black", font=font, anchor="ma"
-        )
-    canvas.paste(_panel_captions(width), (0, top))
-    canvas.paste(_picture(strip), (_PANEL_GAP, picture_top))
-    return canvas
+    # Laid out as one array, the white canvas and the captions copied in: one picture made.
+    captions = _panel_captions(width)
+    canvas = np.full((picture_top + size[1] + _PANEL_GAP, captions.shape[1], 3), 255, np.uint8)
+    canvas[top:picture_top] = captions
+    tiles = (drawing.photo(size), drawing.colours(size), drawing.blended(size))
+    for number, tile in enumerate(tiles):  # each comes back from the device once
+        left = _PANEL_GAP + number * (width + _PANEL_GAP)
+        canvas[picture_top : picture_top + size[1], left : left + width] = tile.cpu().numpy()
+    picture = Image.fromarray(canvas)
+    draw_title(picture, title, _PANEL_GAP, _TITLE_SIZE)
+    return picture
 
 
 @functools.cache
-def _panel_captions(width: int) -> Image.Image:
-    """The row of :func:`panel_image`'s captions for pictures ``width`` wide, down to where
+def _panel_captions(width: int) -> np.ndarray:
+    """The rows of :func:`panel_image`'s captions for pictures ``width`` wide, down to where
     the pictures begin, drawn once: rendering text took a third of a panel's drawing."""
     size = (3 * width + 4 * _PANEL_GAP, _CAPTION_SIZE + _PANEL_GAP // 2)
     canvas = Image.new("RGB", size, "white")
@@ -218,7 +247,7 @@ def _panel_captions(width: int) -> Image.Image:
     for number, caption in enumerate(("image", "heatmap", "overlay")):
         left = _PANEL_GAP + number * (width + _PANEL_GAP)
         draw.text((left + width / 2, 0), caption, fill="black", font=font, anchor="ma")
-    return canvas
+    return np.asarray(canvas)
 
 
 def clipped(values: torch.Tensor, percentile: float | None) -> torch.Tensor:
@@ -432,16 +461,6 @@ def _pixels(rgb: Image.Image, device: torch.device | str | None) -> torch.Tensor
     return pixels if device is None else pixels.to(device)
 
 
-def _resized_pixels(pixels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """``(H, W, 3)`` uint8 pixels resized (antialiased bilinear, as Pillow's) to Pillow's
-    ``(width, height)``, on their device."""
-    width, height = size
-    if pixels.shape[:2] == (height, width):
-        return pixels
-    resized = resize(pixels.permute(2, 0, 1), [height, width], antialias=True)
-    return resized.permute(1, 2, 0)
-
-
 def _picture(pixels: torch.Tensor) -> Image.Image:
     """``(H, W, 3)`` uint8 pixels from any device as a Pillow image (one copy to the CPU)."""
     return Image.fromarray(pixels.cpu().numpy())
@@ -451,20 +470,6 @@ def resized_map(values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Bilinear resize of an ``(h, w)`` map to Pillow's ``(width, height)``."""
     width, height = size
     return upsample(values.unsqueeze(0), (height, width))[0].clamp(0, 1)
-
-
-def blend(
-    pixels: torch.Tensor, values: torch.Tensor, alpha: float, table: torch.Tensor
-) -> torch.Tensor:
-    """``(H, W, 3)`` uint8 pixels blended with the colours of ``(H, W)`` values in ``[0, 1]``,
-    ``round((1 - alpha) * pixel + alpha * colour)``, on the tensors' device (a GPU too)."""
-    return blend_colours(pixels, apply(values, table), alpha)
-
-
-def blend_colours(pixels: torch.Tensor, colours: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``(H, W, 3)`` uint8 pixels blended with ``(H, W, 3)`` uint8 colours (see :func:`blend`)."""
-    blended = pixels.float().mul_(1 - alpha).add_(colours.float(), alpha=alpha)
-    return blended.round_().to(torch.uint8)
 
 
 def _check_alpha(alpha: float) -> None:
@@ -560,7 +565,7 @@ def detection_panel(
     rgb = as_rgb(image)
     scale = width / rgb.width
     size = (width, max(1, round(rgb.height * scale)))
-    pixels = _resized_pixels(_pixels(rgb, None), size)
+    pixels = resized_pixels(_pixels(rgb, None), size)
     table = lookup_table(colormap)
     scaled = [[value * scale for value in box] for box in boxes]
     everything = _picture(pixels)
@@ -583,10 +588,8 @@ def _tile_grid(
     top = _PANEL_GAP + (_TITLE_SIZE + _PANEL_GAP if title else 0)
     cell = (size[0] + _PANEL_GAP, _CAPTION_SIZE + _PANEL_GAP // 2 + size[1] + _PANEL_GAP)
     canvas = Image.new("RGB", (columns * cell[0] + _PANEL_GAP, top + rows * cell[1]), "white")
+    draw_title(canvas, title, _PANEL_GAP, _TITLE_SIZE)
     draw = ImageDraw.Draw(canvas)
-    if title:
-        font = ImageFont.load_default(_TITLE_SIZE)
-        draw.text((canvas.width / 2, _PANEL_GAP), title, fill="black", font=font, anchor="ma")
     font = ImageFont.load_default(_CAPTION_SIZE)
     for number, (caption, tile) in enumerate(tiles):
         left = _PANEL_GAP + (number % columns) * cell[0]

@@ -86,7 +86,7 @@ if not TYPE_CHECKING:  # type checkers see no old name, so camviz's own code use
         {
             "PANEL_TILE_WIDTH": "camviz.io.pictures:PANEL_TILE_WIDTH",
             "SIGNED_COLORMAP": "camviz.io.figures:SIGNED_COLORMAP",
-            "blend": "camviz.io.pictures:blend",
+            "blend": "camviz.io.blending:blend",
             "check_render_options": "camviz.io.pictures:check_render_options",
             "clipped": "camviz.io.pictures:clipped",
         },

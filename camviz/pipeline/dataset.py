@@ -57,6 +57,7 @@ from camviz.io.video import FrameReader
 from camviz.pipeline import choosing
 from camviz.pipeline.decoding import decode, decoder, device_decodes, encoded_jpeg
 from camviz.pipeline.inputs import Item, expand
+from camviz.pipeline.packing import batched, packed
 from camviz.pipeline.results import (
     TOP_PREDICTIONS,
     ImageResult,
@@ -316,7 +317,7 @@ def explain_dataset(
         batch_size=batch_size,
         sampler=order,
         num_workers=workers,
-        collate_fn=list,
+        collate_fn=packed,
         pin_memory=explainer.device.type == "cuda",
     )
     return _explained(loader, explainer, known, batch_size, len(order), progress)
@@ -481,11 +482,12 @@ class _BatchExplainer:
     def _explained(self, samples: list[_Sample]) -> list[tuple[Group, Any]]:
         """Each group of the batch of ``samples`` with its explanation (``None``: nothing to
         explain)."""
-        inputs = []
-        for sample in samples:
-            assert sample.inputs is not None  # only decoded samples are batched
-            inputs.append(sample.inputs.to(self.device, non_blocking=True))
-        batch = torch.stack(inputs)
+        inputs = [sample.inputs for sample in samples if sample.inputs is not None]
+        assert len(inputs) == len(samples)  # only decoded samples are batched
+        if self.device.type == "cpu":
+            batch = batched(inputs)
+        else:  # pinned samples go up one by one, without waiting
+            batch = torch.stack([tensor.to(self.device, non_blocking=True) for tensor in inputs])
         categories = self.categories or []
         groups = choosing.groups(self.task, len(batch), self.target, categories, self.task_options)
         return [(group, self._explain(batch, group)) for group in groups]

@@ -90,6 +90,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 
 from camviz.cams import get as get_method
 from camviz.cams.settings import settings_or_keywords
@@ -105,6 +106,7 @@ from camviz.io.pictures import (
     detection_panel,
     draw_box,
     overlay,
+    overlay_and_panel,
     panel_image,
 )
 from camviz.io.video import frame_rate
@@ -462,37 +464,50 @@ class _Job:
     ) -> None:
         """Draw and write one map's ``files`` (by kind, as named by
         :func:`~camviz.pipeline.naming.result_files`)."""
-        alpha, colormap = self.render.alpha, self.render.colormap
         image = result.image  # kept whenever an overlay or a panel is drawn
         if "overlay" in files and result.frames is not None:
             self._write_clip(item, result.frames, heatmap, self.out / files["overlay"])
-        elif "overlay" in files:
+        elif "overlay" in files or "panel" in files:
             assert image is not None
-            drawn = overlay(image, heatmap, alpha, colormap, clip=self.clip, device=self.device)
-            if prediction.box is not None:
-                draw_box(drawn, prediction.box, _object_label(prediction))
-            _save_png(drawn, self.out / files["overlay"])
-        if "panel" in files:
-            assert image is not None
-            shown = (
-                f"p={prediction.probability:.2f}"
-                if prediction.probability is not None
-                else f"score {prediction.score:.2f}"
-            )
-            layers = ", ".join(result.layers)
-            title = f"{prediction.name}: {shown} ({result.method}, layer {layers})"
-            drawn = panel_image(
-                image,
-                heatmap,
-                title=title,
-                alpha=alpha,
-                colormap=colormap,
-                clip=self.clip,
-                device=self.device,
-            )
-            save_jpeg(drawn, self.out / files["panel"])
+            drawn, panel = self._draw(image, heatmap, result, prediction, files)
+            if drawn is not None:
+                if prediction.box is not None:
+                    draw_box(drawn, prediction.box, _object_label(prediction))
+                _save_png(drawn, self.out / files["overlay"])
+            if panel is not None:
+                save_jpeg(panel, self.out / files["panel"])
         if "heatmap" in files:
             save_heatmap(heatmap, self.out / files["heatmap"])
+
+    def _draw(
+        self,
+        image: Image.Image,
+        heatmap: torch.Tensor,
+        result: ImageResult,
+        prediction: Prediction,
+        files: dict[str, str],
+    ) -> tuple[Image.Image | None, Image.Image | None]:
+        """The overlay and the panel of one map, those of the two that ``files`` holds;
+        both drawn together when both are (what they share is made once)."""
+        alpha, colormap, clip, device = (
+            self.render.alpha,
+            self.render.colormap,
+            self.clip,
+            self.device,
+        )
+        if "panel" not in files:
+            return overlay(image, heatmap, alpha, colormap, clip=clip, device=device), None
+        shown = (
+            f"p={prediction.probability:.2f}"
+            if prediction.probability is not None
+            else f"score {prediction.score:.2f}"
+        )
+        title = f"{prediction.name}: {shown} ({result.method}, layer {', '.join(result.layers)})"
+        draw = overlay_and_panel if "overlay" in files else panel_image
+        drawn = draw(
+            image, heatmap, title=title, alpha=alpha, colormap=colormap, clip=clip, device=device
+        )
+        return drawn if isinstance(drawn, tuple) else (None, drawn)
 
     def _write_clip(
         self, item: Item, frames: torch.Tensor, heatmap: torch.Tensor, path: Path

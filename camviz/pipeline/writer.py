@@ -1,9 +1,10 @@
 """Write files on background threads, so that the model never waits for the disk.
 
-Encoding a PNG or drawing a figure takes about as long as explaining the image, and much
-of it (zlib, Agg, numpy) runs without the GIL, so a few threads overlap it with the next
-batch. The queue is bounded: when the writers fall behind, :meth:`Writer.submit` blocks and
-the model waits, instead of results piling up in memory.
+Drawing and encoding an image's pictures runs mostly without the GIL (OpenCV, zlib,
+libjpeg, numpy), so a few threads overlap it with the next batch; on a CPU they take their
+time from the model's threads, which is why the folder job keeps that work small. The
+queue is bounded: when the writers fall behind, :meth:`Writer.submit` blocks and the model
+waits, instead of results piling up in memory.
 
 Writer threads run torch (the pictures are drawn with it) on one thread each. A torch
 operation on a second Python thread would otherwise start a second OpenMP team; with more
