@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image
 
 from camviz.core.errors import CamvizError
-from camviz.io.atomic import atomic_write
+from camviz.pipeline.encoders import save_png
 from camviz.pipeline.manifest import RowLog
 from camviz.training.record import LOGGED, Record
 
@@ -144,10 +144,8 @@ class FileSink:
             tracked = record.maps[series]
             name = tracked.method + (f"_{_file_safe(tracked.layer)}" if several_layers else "")
             for probe, picture in enumerate(pictures):
-                _write_png(
-                    picture, self.folder / "steps" / f"{record.step}_probe{probe}_{name}.png"
-                )
-        _write_png(strip, self.folder / "strip.png")
+                save_png(picture, self.folder / "steps" / f"{record.step}_probe{probe}_{name}.png")
+        save_png(strip, self.folder / "strip.png")
         if self._log is None:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._log = RowLog(self.folder / LOG_FILE)
@@ -158,13 +156,6 @@ class FileSink:
         if self._log is not None:
             self._log.close()
             self._log = None
-
-
-def _write_png(picture: Image.Image, path: Path) -> None:
-    """A PNG written atomically at zlib's fastest level: overlays are photographs, which the
-    default level makes a sixth smaller in four times the time (on the writer thread)."""
-    with atomic_write(path) as file:
-        picture.save(file, format="PNG", compress_level=1)
 
 
 def _file_safe(name: str) -> str:
