@@ -10,7 +10,8 @@ images, batches of 32) trained with Adam for ``--steps`` steps, with a tracker o
 8 probe images every 50 steps that logs to files (PNG overlays, the strip and the JSON-lines
 log, written on its background thread), against the same loop without it. Runs alternate
 (without, with, without, ...) so that a machine whose load drifts slows both alike; each
-figure is the median over ``--rounds`` runs, in wall-clock time and in the process's CPU
+figure is the median over ``--rounds`` runs (and the median of each round's ratio of
+the two, which a drifting machine moves less), in wall-clock time and in the process's CPU
 time (all threads, the writer's included: on a shared machine the steadier figure). Also
 printed: the time of one tracker call (one forward pass of the probe batch and the backward
 pass of the layers after the target) and of one plain forward pass of the probes, for
@@ -114,6 +115,10 @@ def main() -> None:
             f"it {with_tracker:.2f} s (every {args.every} steps, file logging): "
             f"{100 * (with_tracker / without - 1):+.1f} %"
         )
+        # Each round's two runs sit side by side in time: their ratio cancels the drift of
+        # a shared machine's speed between rounds, which the two medians above keep.
+        paired = statistics.median(t[index] / p[index] for p, t in zip(plain, tracked, strict=True))
+        print(f"{kind} time, median of each round's ratio: {100 * (paired - 1):+.1f} %")
     print(
         f"one tracker call: {1000 * statistics.median(calls):.1f} ms; one forward pass of the "
         f"8 probes: {1000 * forward_seconds(args.size):.1f} ms"
