@@ -128,6 +128,20 @@ def conv_net(
     return nn.Sequential(*layers).eval()
 
 
+class TensorImages(torch.utils.data.Dataset):
+    """Preprocessed ``(C, H, W)`` images as a ``Dataset`` of tensors (not pairs), as a
+    scan over a user's dataset reads them."""
+
+    def __init__(self, images: torch.Tensor) -> None:
+        self.images = images
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.images[index]
+
+
 def tiny_vit() -> nn.Module:
     """A random torchvision ViT for 32 px inputs: 8 px patches (a 4 x 4 grid), 2 blocks of
     2 heads, 16 channels, 5 classes; eval mode. A new model each call."""

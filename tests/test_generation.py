@@ -254,17 +254,24 @@ def test_what_the_processor_cropped_away_has_no_map(llava, photo):
     assert generation.heatmaps[0][:, ~outside].amax() > 0
 
 
-def test_an_error_in_the_explaining_pass_leaves_the_model_as_it_came(llava, photo, untouched):
-    """The user's own hook on the head fails in the teacher-forced pass (after the decoding
-    steps): a ModelError, and the tap and eval mode are undone."""
-    model, processor = llava
-    calls = []
+def _failing_after_decoding():
+    """A forward hook for the head that raises in the teacher-forced pass, after the
+    decoding steps have called it once per new token, and the list of its calls."""
+    calls: list[int] = []
 
     def fail_after_decoding(module, args, output):
         calls.append(1)
         if len(calls) > NEW_TOKENS:
             raise RuntimeError("the user's hook failed")
 
+    return fail_after_decoding, calls
+
+
+def test_an_error_in_the_explaining_pass_leaves_the_model_as_it_came(llava, photo, untouched):
+    """The user's own hook on the head fails in the teacher-forced pass (after the decoding
+    steps): a ModelError, and the tap and eval mode are undone."""
+    model, processor = llava
+    fail_after_decoding, calls = _failing_after_decoding()
     handle = model.lm_head.register_forward_hook(fail_after_decoding)
     model.train()
     try:
@@ -452,12 +459,7 @@ def test_an_eager_model_comes_back_eager_also_after_an_error_mid_pass(
     """Explained in eager mode, the map is the same (the pass switched it to the fused call
     and computed that explicitly); a failure in the explaining pass leaves it eager too."""
     model, processor = llava
-    calls = []
-
-    def fail_after_decoding(module, args, output):
-        calls.append(1)
-        if len(calls) > NEW_TOKENS:
-            raise RuntimeError("the user's hook failed")
+    fail_after_decoding, calls = _failing_after_decoding()
 
     def explain(method):
         return camviz.explain_generation(

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import tiny_vit
+from conftest import TensorImages, tiny_vit
 from torch import nn
 
 import camviz
@@ -47,17 +47,6 @@ def _images() -> torch.Tensor:
     return torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
 
 
-class _Images(torch.utils.data.Dataset):
-    def __init__(self, images: torch.Tensor) -> None:
-        self.images = images
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.images[index]
-
-
 _CHANNEL = camviz.Unit("features", channel=1)
 
 
@@ -73,7 +62,7 @@ PASSES: dict[str, Callable[[nn.Module, torch.Tensor], object]] = {
     "features": lambda model, x: camviz.features(model, x, "features"),
     # A unit's layer is read by a dry pass before the explaining one.
     "unit target": lambda model, x: camviz.explain(model, x, layer="features.0", target=_CHANNEL),
-    "top_examples": lambda model, x: camviz.top_examples(model, _Images(x), _CHANNEL, k=1),
+    "top_examples": lambda model, x: camviz.top_examples(model, TensorImages(x), _CHANNEL, k=1),
     "visualize_unit": lambda model, x: camviz.visualize_unit(model, _CHANNEL, size=16, steps=2),
     "receptive_field": lambda model, x: receptive_field(model, x, "features", how="measured"),
     "load's class count": lambda model, x: models._output_classes(model, x),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import conv_net, tiny_vit
+from conftest import TensorImages, conv_net, tiny_vit
 from PIL import Image
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -73,17 +73,6 @@ def test_a_measured_receptive_field_is_where_the_input_gradient_is_not_zero():
 # Top-k scans --------------------------------------------------------------------------------
 
 
-class Images(torch.utils.data.Dataset):
-    def __init__(self, images: torch.Tensor) -> None:
-        self.images = images
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.images[index]
-
-
 def brute_force(values: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     """Each unit's k best images of an ``(N, U)`` table, by a stable sort of everything."""
     return [
@@ -101,7 +90,12 @@ def test_top_examples_equal_a_brute_force_pass_that_keeps_everything(statistic):
     images = torch.rand(60, 3, 16, 16, generator=torch.Generator().manual_seed(3))
     channels = [0, 3, 5]
     tops = top_examples(
-        model, Images(images), Unit("2", channel=channels), k=5, statistic=statistic, batch_size=7
+        model,
+        TensorImages(images),
+        Unit("2", channel=channels),
+        k=5,
+        statistic=statistic,
+        batch_size=7,
     )
     with torch.no_grad():
         grid = model[:3](images)[:, channels]
@@ -126,7 +120,7 @@ def test_the_scan_stops_after_the_unit_and_leaves_the_model_untouched(untouched)
     images = torch.rand(9, 3, 16, 16, generator=torch.Generator().manual_seed(4))
     neuron = Unit("2", neuron=(1, 3, 4))
     with untouched(model):
-        (top,) = top_examples(model, Images(images), neuron, k=2)
+        (top,) = top_examples(model, TensorImages(images), neuron, k=2)
     assert heads == []  # the head never ran
     with torch.no_grad():
         values = model[:3](images)[:, 1, 3, 4]
@@ -157,7 +151,7 @@ def test_the_gallery_crops_each_top_image_to_its_field_with_the_units_own_map():
     ]
     preprocess = Preprocess(size=16, mean=(0, 0, 0), std=(1, 1, 1))
     units = Unit("2", channel=[0, 3])
-    tops = top_examples(model, Images(photos), units, k=2, preprocess=preprocess)
+    tops = top_examples(model, TensorImages(photos), units, k=2, preprocess=preprocess)
     field = receptive_field(model, torch.zeros(1, 3, 16, 24), "2")
     drawn = example_maps(model, tops, field, lambda example: photos[example.index], preprocess)
     for top, maps in zip(tops, drawn, strict=True):
@@ -417,7 +411,7 @@ def test_a_pretrained_channel_is_excited_more_by_its_image_than_by_any_real_phot
     normalised = (image - torch.tensor(small.mean).view(1, 3, 1, 1)) / torch.tensor(small.std).view(
         1, 3, 1, 1
     )
-    (value,) = top_examples(offline_model, Images(normalised), unit, k=1, statistic="mean")
+    (value,) = top_examples(offline_model, TensorImages(normalised), unit, k=1, statistic="mean")
     assert value.examples[0].value > best.examples[0].value
 
 
