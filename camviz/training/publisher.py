@@ -36,8 +36,8 @@ class Publisher:
     def __init__(self, sinks: Sequence[Sink], images: torch.Tensor) -> None:
         self.sinks = list(sinks)
         self._images = images
-        self._pictures: list[Image.Image] | None = None  # drawn on the writer's thread
-        self._cells: StripCells | None = None
+        # The probe pictures and the strip's cells on them, made on the writer's thread.
+        self._drawing: tuple[list[Image.Image], StripCells] | None = None
         self._writer = Writer(threads=1, queue_size=_QUEUE)
 
     def submit(self, record: Record, history: Sequence[Record]) -> None:
@@ -54,10 +54,11 @@ class Publisher:
                 sink.close()
 
     def _publish(self, record: Record, history: Sequence[Record]) -> None:
-        if self._pictures is None or self._cells is None:
-            self._pictures = probe_pictures(self._images)
-            self._cells = StripCells(self._pictures, STEP_CELL)
-        drawn = overlays(record, self._pictures)
-        shown = strip(history, self._cells)
+        if self._drawing is None:
+            pictures = probe_pictures(self._images)
+            self._drawing = pictures, StripCells(pictures, STEP_CELL)
+        pictures, cells = self._drawing
+        drawn = overlays(record, pictures)
+        shown = strip(history, cells)
         for sink in self.sinks:
             sink.write(record, drawn, shown)
