@@ -192,6 +192,14 @@ def _add_batches(parser: argparse.ArgumentParser) -> None:
         help="processes that decode images (0: decode in the main process)",
     )
     parser.add_argument(
+        "--threads",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="torch threads of the model (default: on a CPU one fewer than torch's own "
+        "setting, leaving a core to the decoding workers and the writers)",
+    )
+    parser.add_argument(
         "--every",
         type=_positive,
         default=1,
@@ -311,6 +319,7 @@ def _settings(args: argparse.Namespace, loaded: LoadedModel) -> JobSettings:
         outputs=Outputs(overlay=args.overlay, panel=args.panel, heatmap=args.heatmap),
         batch_size=args.batch_size,
         workers=args.workers,
+        threads=args.threads,
         every=args.every,
         progress=False if args.quiet else None,
         task_options=TaskOptions(

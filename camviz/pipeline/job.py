@@ -118,6 +118,7 @@ from camviz.pipeline.inputs import NAME_MAX, Item, expand
 from camviz.pipeline.naming import VIDEO_SUFFIX, result_files
 from camviz.pipeline.settings import HeatmapFormat, JobSettings, Outputs, RenderOptions
 from camviz.pipeline.tasks import TaskOptions, clip_spec, fit_task, prepared
+from camviz.pipeline.threads import model_threads, running_on
 from camviz.pipeline.videos import write_videos
 from camviz.pipeline.volumes import explain_volume, is_volume_item, write_volume_files
 
@@ -154,6 +155,7 @@ def explain_files(
     workers: int = 0,
     every: int = 1,
     writers: int = 2,
+    threads: int | None = None,
     progress: bool | None = False,
     precision: str = "fp32",
     channels_last: bool = False,
@@ -176,7 +178,7 @@ def explain_files(
         settings: All the settings in one object.
         **keywords: The settings one by one instead (``method``, ``layer``, ``target``,
             ``render``, ``outputs``, ``batch_size``, ``workers``, ``every``, ``writers``,
-            ``progress``, ``precision``, ``channels_last``, ``memory_budget``,
+            ``threads``, ``progress``, ``precision``, ``channels_last``, ``memory_budget``,
             ``task_options``, ``input_size``): each is the attribute of that name of
             :class:`~camviz.pipeline.settings.JobSettings`, which says what it does.
 
@@ -199,6 +201,7 @@ def explain_files(
         workers=workers,
         every=every,
         writers=writers,
+        threads=threads,
         progress=progress,
         precision=precision,  # type: ignore[arg-type]  # checked by JobSettings.check
         channels_last=channels_last,
@@ -350,9 +353,13 @@ class _Job:
             task_options=settings.task_options,
             **options,
         )
+        threads = model_threads(settings.threads, model_device(self.loaded.model))
         try:
             # The queue holds a few batches' worth of results, each with its photo.
-            with Writer(threads=settings.writers, queue_size=2 * settings.batch_size) as writer:
+            with (
+                running_on(threads),
+                Writer(threads=settings.writers, queue_size=2 * settings.batch_size) as writer,
+            ):
                 for result in results:
                     if result.ok:
                         self._open()

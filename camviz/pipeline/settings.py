@@ -74,6 +74,9 @@ class JobSettings(ExplainSettings):
         workers: DataLoader processes that decode and preprocess images.
         every: For videos, explain every ``every``-th frame.
         writers: Threads that draw and write the files.
+        threads: Torch threads of the model's passes; ``None``: on a CPU, in a process that
+            keeps its freed memory, one fewer than torch's setting, leaving a core to the
+            workers and writers, else torch's setting (:mod:`camviz.pipeline.threads`).
         progress: A progress bar on stderr: ``True``, ``False``, or ``None`` (on a terminal).
         task_options: For detectors (``min_score``, ``max_objects``) and video models
             (``clip_len``, ``stride``).
@@ -89,6 +92,7 @@ class JobSettings(ExplainSettings):
     workers: int = 0
     every: int = 1
     writers: int = 2
+    threads: int | None = None
     progress: bool | None = False
     task_options: TaskOptions = field(default_factory=TaskOptions)
     input_size: int | None = None
@@ -104,8 +108,11 @@ class JobSettings(ExplainSettings):
 
         Raises:
             CamvizError: An unknown method or layer, a bad memory budget or precision, an
-                output the model's task cannot have, or a class target for an embedding.
+                output the model's task cannot have, a class target for an embedding, or
+                fewer than one thread.
         """
+        if self.threads is not None and self.threads < 1:
+            raise CamvizError(f"threads must be at least 1, not {self.threads}")
         (options,) = self.method_options(loaded.model, [self.method]).values()
         if self.layer is not None:
             spot_keys(loaded.model, self.layer, "output")

@@ -1,0 +1,43 @@
+"""How many torch threads the folder job gives the model, beside its loader and writers.
+
+The model's passes run on torch's OpenMP team, whose threads wait for one another at the end
+of every parallel region, while the DataLoader workers and the writer threads run beside it;
+one of them that takes a core from a thread of the team stalls the whole team. So, on a CPU
+in a process that keeps its freed memory (:mod:`camviz.core.allocator`, as the ``camviz``
+command does), the job runs the model on one thread fewer than torch's setting, at least
+one, and leaves that core to the workers and writers. Where freed memory goes back to the
+kernel instead, the model's passes spend much of their time in page faults, which its threads
+take in parallel, and torch's setting stays. ``JobSettings.threads`` (``camviz explain
+--threads``) sets the number; torch's setting comes back when the job ends. Why, with the
+figures: ``docs/architecture.md``, *Many images*.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from camviz.core.allocator import freed_memory_retained
+
+
+def model_threads(threads: int | None, device: torch.device | None) -> int:
+    """Torch threads for the model's passes on ``device`` (``None``: no parameters, so the
+    CPU): ``threads`` if given, else the rule of the module docstring."""
+    if threads is not None:
+        return threads
+    current = torch.get_num_threads()
+    on_cpu = device is None or device.type == "cpu"
+    return max(1, current - 1) if on_cpu and freed_memory_retained() else current
+
+
+@contextlib.contextmanager
+def running_on(threads: int) -> Iterator[None]:
+    """The block runs torch on ``threads`` threads; the previous number comes back after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
