@@ -7,19 +7,28 @@ Run by hand (never in the tests), on a quiet machine::
     python benchmarks/bench_throughput.py --quick  # 16 images, batch 8: a smoke run
     python benchmarks/bench_throughput.py --all    # also the maps-only and no-panel variants
     python benchmarks/bench_throughput.py --writer # CPU time of each step of the writer
+    python benchmarks/bench_throughput.py --allocator glibc   # glibc's defaults throughout
 
 The images are crops and mirror images of the shipped photos, all 4:3 (so every batch is
 full), written to a temporary folder. Every variant reads them with the same DataLoader
 settings (``--workers`` processes that decode with :func:`camviz.io.images.load_image` and
 apply the model's preprocessing) and the same batch size:
 
-* ``inference``: the model alone in fp32, under ``torch.inference_mode()``: the reference;
+* ``inference``: the model alone in fp32, under ``torch.inference_mode()``, on torch's
+  threads: the reference, a plain loop as one writes it;
+* ``inference, N thread(s) as the job``: the same on the threads the folder job gives the
+  model (one fewer on a CPU, :mod:`camviz.pipeline.threads`), leaving the loader a core too;
 * ``explain, fp32``: :func:`camviz.pipeline.job.explain_files` with the default outputs
   (overlay PNG and panel JPEG per image, the manifest), as ``camviz explain FOLDER`` runs;
 * ``explain, bf16 + channels-last``: the same with ``--precision bf16 --channels-last``,
   where the CPU computes bf16 natively (it is refused where it would only be emulated);
 * with ``--all`` also ``explain_dataset`` (Grad-CAM maps, held in memory) and ``explain,
   overlays`` (``camviz explain --no-panel``).
+
+The whole process, plain inference included, runs with the allocator setting that the
+``camviz`` command makes (:func:`camviz.core.allocator.retain_freed_memory`: freed blocks stay
+in the heap for the next batch), so that the figures compare like with like; ``--allocator
+glibc`` keeps glibc's defaults throughout instead, as a script of one's own runs.
 
 Each variant runs once to warm up, then the variants take turns for ``--repeat`` rounds
 (7, as issue 26 asks; fewer for a quick look); each figure is the median of its rounds. The
@@ -52,6 +61,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import camviz
 from camviz.cams.engine import explain
+from camviz.core.allocator import retain_freed_memory
 from camviz.core.errors import CamvizError
 from camviz.core.precision import check_precision
 from camviz.io.images import load_image
@@ -59,6 +69,7 @@ from camviz.io.pictures import overlay_and_panel
 from camviz.pipeline.dataset import explain_dataset
 from camviz.pipeline.encoders import save_jpeg, save_png
 from camviz.pipeline.job import Outputs, explain_files
+from camviz.pipeline.threads import model_threads, running_on
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
@@ -185,7 +196,16 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="also maps only and overlays only")
     parser.add_argument("--threads", type=int, help="torch threads; 1 on a busy machine")
     parser.add_argument("--writer", action="store_true", help="CPU time of the writer's steps")
+    parser.add_argument(
+        "--allocator",
+        choices=("camviz", "glibc"),
+        default="camviz",
+        help="camviz: freed memory kept, as the camviz command runs; glibc: its defaults",
+    )
     args = parser.parse_args()
+    if args.allocator == "camviz" and not retain_freed_memory():
+        print("allocator: glibc's defaults (not glibc, or set in the environment)")
+        args.allocator = "glibc"
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
@@ -215,18 +235,21 @@ def main() -> None:
                 print(f"| {name} | {milliseconds:.1f} |")
             return
 
-        def inference() -> int:
-            loader = DataLoader(
-                Preprocessed(paths, loaded.preprocess),
-                batch_size=args.batch,
-                num_workers=args.workers,
-            )
-            count = 0
-            with torch.inference_mode():
-                for batch in loader:
-                    loaded.model(batch)
-                    count += len(batch)
-            return count
+        def inference(threads: int) -> Callable[[], int]:
+            def run() -> int:
+                loader = DataLoader(
+                    Preprocessed(paths, loaded.preprocess),
+                    batch_size=args.batch,
+                    num_workers=args.workers,
+                )
+                count = 0
+                with running_on(threads), torch.inference_mode():
+                    for batch in loader:
+                        loaded.model(batch)
+                        count += len(batch)
+                return count
+
+            return run
 
         def maps() -> int:
             results = explain_dataset(
@@ -250,7 +273,12 @@ def main() -> None:
 
             return run
 
-        variants = {"inference": inference, "explain, fp32": files(Outputs())}
+        threads = torch.get_num_threads()
+        variants = {"inference": inference(threads)}
+        job_threads = model_threads(None, torch.device("cpu"))
+        if job_threads != threads:  # the same cores left to the loader as the job leaves
+            variants[f"inference, {job_threads} thread(s) as the job"] = inference(job_threads)
+        variants["explain, fp32"] = files(Outputs())
         if reduced:
             variants["explain, bf16 + channels-last"] = files(Outputs(), **reduced)
         if args.all:
@@ -264,7 +292,8 @@ def main() -> None:
         f"{loaded.name}, {args.images} images of 400x300 (224x299 after preprocessing), "
         f"batch {args.batch}, {args.workers} DataLoader workers, {torch.get_num_threads()} "
         f"torch threads, {os.cpu_count()} CPUs, torch {torch.__version__}, CPU capability "
-        f"{torch.backends.cpu.get_cpu_capability()}, median of {args.repeat} rounds\n"
+        f"{torch.backends.cpu.get_cpu_capability()}, allocator {args.allocator}, median of "
+        f"{args.repeat} rounds\n"
     )
     print("| variant | images/s | vs inference | CPU ms per image |")
     print("| --- | --- | --- | --- |")
