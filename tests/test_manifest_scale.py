@@ -177,3 +177,31 @@ def test_the_merge_counts_plain_rows_in_bulk_as_it_counts_every_other_row(tmp_pa
     lines = (tmp_path / manifest.ROWS).read_text().splitlines()
     assert [json.loads(line)["input"] for line in lines] == ["a", "b", "c", "d", "e", "v.mp4"]
     assert json.loads(lines[3])["status"] == "ok"  # d's later row
+
+
+def test_white_space_around_a_row_that_json_does_not_allow_is_left_out_of_the_merged_log(
+    tmp_path,
+):
+    def row(name, status):
+        return {"input": name, "frame": None, "status": status, "explained": [], "files": []}
+
+    # Hand-edited lines: a form feed after a failed row (counted in full) and before a plain
+    # one, a tab and a vertical tab after another: rows to the reader, not JSON as they are.
+    (tmp_path / "manifest.rank0.jsonl").write_text(
+        manifest.dumps(row("a", "error"))
+        + "\x0c\n"
+        + "\x0c"
+        + manifest.dumps(row("b", "ok"))
+        + "\n"
+        + manifest.dumps(row("c", "ok"))
+        + "\t\x0b\n"
+    )
+    merged = merging.merge(tmp_path, ["a", "b", "c"], [])
+    assert (merged.ok, merged.failures, merged.skipped) == (2, [row("a", "error")], 0)
+    lines = (tmp_path / manifest.ROWS).read_text().split("\n")
+    assert [json.loads(line) for line in lines[:-1]] == [
+        row("a", "error"),
+        row("b", "ok"),
+        row("c", "ok"),
+    ]
+    assert lines[-1] == ""

@@ -196,8 +196,8 @@ def _add_batches(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         default=None,
         metavar="N",
-        help="torch threads of the model (default: on a CPU one fewer than torch's own "
-        "setting, leaving a core to the decoding workers and the writers)",
+        help="torch threads of the model (default on a CPU, with Linux's glibc: one fewer "
+        "than torch's setting, leaving a core to the decoding workers and the writers)",
     )
     parser.add_argument(
         "--every",

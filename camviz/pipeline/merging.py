@@ -139,7 +139,10 @@ def _distribute(
                 and (explained == [] or _no_empty_map(explained))
             )
             codes[number // span].append(number << 2 | (_PLAIN if plain else _COUNTED))
-            lines[number // span].append(line)
+            # The object alone: the reader takes any white space around it (a form feed in a
+            # hand-edited line), JSON only spaces, tabs and line ends, and the merged log is
+            # parsed as JSON again (below, and by whoever reads it).
+            lines[number // span].append(line.strip())
         buckets.added(len(batch.rows))
     merged.earlier.update(name for files in others.values() for name in files)
 
