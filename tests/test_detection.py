@@ -379,6 +379,36 @@ def test_the_roi_shortcut_replays_only_the_used_rows_and_changes_no_gradient(
         handle.remove()
 
 
+@pytest.mark.parametrize(
+    ("name", "reads"),
+    [("MaskRCNN", "masks"), ("KeypointRCNN", "keypoints_scores")],
+)
+def test_a_score_that_reads_masks_or_keypoints_keeps_their_gradient_under_the_roi_shortcut(
+    name: str, reads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from camviz.core.roiheads import RoIRows
+
+    # The mask and keypoint heads pool the feature maps again for the detected boxes, a
+    # path beside the box rows that the shortcut replays.
+    model = build(name)
+    images = torch.rand(2, 3, 64, 96, generator=torch.Generator().manual_seed(7))
+
+    def target(outputs):
+        return torch.stack([output[reads][:2].sum() for output in outputs])
+
+    shortened = camviz.explain(model, images, layer="backbone", target=target, normalize=False)
+    monkeypatch.setattr(RoIRows, "of", classmethod(lambda cls, model, taps: None))
+    plain = camviz.explain(model, images, layer="backbone", target=target, normalize=False)
+    evidence = 0.0
+    for level, maps in plain.maps_by_layer.items():
+        scale = float(maps.abs().max())
+        evidence += scale
+        torch.testing.assert_close(
+            shortened.maps_by_layer[level], maps, atol=1e-5 * scale, rtol=1e-5
+        )
+    assert evidence > 0
+
+
 def test_a_row_target_on_a_detector_gets_one_row_per_image() -> None:
     model = build("fasterrcnn_mobilenet_v3_large_320_fpn")
     images = torch.rand(2, 3, 64, 96, generator=torch.Generator().manual_seed(8))

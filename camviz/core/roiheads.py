@@ -14,7 +14,10 @@ pool and the two heads, from the recorded feature maps, which still carry the gr
 the target layer; the gradient of those rows, weighted by the leaves' gradient, is exactly
 the gradient of the score (the chain rule; the rows are independent of each other, and the
 proposals are detached by torchvision's region proposal network). The backward pass then
-costs a few rows of the heads plus the layers between the target and the pool.
+costs a few rows of the heads plus the layers between the target and the pool. Mask and
+Keypoint R-CNN's own heads pool the feature maps again for the detected boxes; that path is
+not cut, so the gradient of a score that reads masks or keypoints comes through it as in a
+plain backward pass, added to the replayed rows'.
 """
 
 from __future__ import annotations
@@ -102,8 +105,13 @@ class RoIRows:
                 score, inputs, retain_graph=retain_graph, allow_unused=True
             )  # the heads did not run with a graph: nothing to shorten
         weights, rows = self._leaf_gradients(score)
+        # What the score reads besides the box rows: a mask or keypoint head pools the
+        # feature maps again for the detected boxes, a path the cut leaves in the graph.
+        beside = torch.autograd.grad(
+            score, inputs, retain_graph=retain_graph or bool(len(rows)), allow_unused=True
+        )
         if not len(rows):
-            return tuple(None for _ in inputs)
+            return beside
         features, proposals, image_shapes = self._pooled_from
         subset, start = [], 0
         for boxes in proposals:  # each image's used proposals, in the pooled order
@@ -113,12 +121,16 @@ class RoIRows:
         with torch.enable_grad(), replayed_precision(self._autocast):
             pooled = self.pool(features, subset, image_shapes)
             logits, regression = self.predictor(self.head(pooled))
-        return torch.autograd.grad(
+        through_rows = torch.autograd.grad(
             (logits, regression),
             inputs,
             grad_outputs=(weights[0][rows].to(logits.dtype), weights[1][rows].to(regression.dtype)),
             retain_graph=retain_graph,
             allow_unused=True,
+        )
+        return tuple(
+            one if other is None else other if one is None else one + other
+            for one, other in zip(beside, through_rows, strict=True)
         )
 
     def used_proposals(self, scores: Sequence[torch.Tensor]) -> list[torch.Tensor]:
