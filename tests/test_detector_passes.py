@@ -12,6 +12,7 @@ random weights and thresholds of 0, so that they return detections.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import OrderedDict
 from typing import Any
 
@@ -56,6 +57,18 @@ def build(kind: str) -> nn.Module:
             num_classes=3,
             rpn_anchor_generator=_anchors(),
             box_roi_pool=MultiScaleRoIAlign(["0", "1"], 7, 2),
+            box_score_thresh=0.0,
+            rpn_post_nms_top_n_test=40,
+            box_detections_per_img=10,
+            **sizes,
+        )
+    elif kind == "maskrcnn":
+        model = detection.MaskRCNN(
+            _pyramid(),
+            num_classes=3,
+            rpn_anchor_generator=_anchors(),
+            box_roi_pool=MultiScaleRoIAlign(["0", "1"], 7, 2),
+            mask_roi_pool=MultiScaleRoIAlign(["0", "1"], 14, 2),
             box_score_thresh=0.0,
             rpn_post_nms_top_n_test=40,
             box_detections_per_img=10,
@@ -121,6 +134,28 @@ def whole_network_ablation(model: nn.Module, image: torch.Tensor, level: str) ->
         plain = model(image)[0]
     box, label, score = plain["boxes"][0], int(plain["labels"][0]), float(plain["scores"][0])
     proposal = _held_proposal(model, image, score)
+    return ablated_by_hand(
+        model,
+        image,
+        level,
+        lambda output: _followed(output, box, label),
+        None if proposal is None else [proposal],
+        plain_score=score,
+    )
+
+
+def ablated_by_hand(
+    model: nn.Module,
+    image: torch.Tensor,
+    level: str,
+    score: Any,
+    proposals: list[torch.Tensor] | None,
+    plain_score: float | None = None,
+) -> torch.Tensor:
+    """Raw Ablation-CAM at FPN ``level`` of ``score(output)`` by whole-network passes of one
+    image, each with one channel zeroed by a hook and (for an R-CNN) ``proposals`` in place of
+    the region proposal network's answer; ``plain_score``: what the unablated pass must score
+    with those proposals."""
     seen: dict[str, torch.Tensor] = {}
     zeroed: list[int] = []
 
@@ -134,15 +169,17 @@ def whole_network_ablation(model: nn.Module, image: torch.Tensor, level: str) ->
         return edited
 
     hooks = [model.backbone.register_forward_hook(ablate)]
-    if proposal is not None:
-        hooks.append(model.rpn.register_forward_hook(lambda m, a, out: ([proposal], out[1])))
+    if proposals is not None:
+        hooks.append(model.rpn.register_forward_hook(lambda m, a, out: (proposals, out[1])))
     weights = []
     try:
         with torch.no_grad():
-            assert _followed(model(image), box, label) == pytest.approx(score, rel=1e-6)
+            plain = float(score(model(image)))
+            if plain_score is not None:
+                assert plain == pytest.approx(plain_score, rel=1e-6)
             for channel in range(seen["A"].shape[1]):
                 zeroed[:] = [channel]
-                weights.append((score - _followed(model(image), box, label)) / score)
+                weights.append((plain - float(score(model(image)))) / plain)
     finally:
         for hook in hooks:
             hook.remove()
@@ -185,6 +222,40 @@ def test_ablationcam_on_a_detector_equals_whole_network_passes(
             maps = explanation.maps_by_layer[f"backbone[{level}]"]
             torch.testing.assert_close(maps[sample], expected, atol=1e-5, rtol=0)
         assert evidence > 0
+
+
+def test_ablationcam_of_a_mask_score_holds_every_proposal(untouched, one_thread) -> None:
+    # A score that reads masks: Mask R-CNN's mask head takes the detections of every
+    # proposal, so every proposal of the plain pass is held, and no fallback warns.
+    model = build("maskrcnn")
+    image = images(1, seed=1)
+
+    def mask_score(outputs):
+        return torch.stack([output["masks"][:3].sum() for output in outputs])
+
+    seen: dict[str, list[torch.Tensor]] = {}
+    hook = model.rpn.register_forward_hook(lambda m, a, out: seen.update(proposals=out[0]))
+    with torch.no_grad():
+        model(image)
+    hook.remove()
+    with untouched(model), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback's warning
+        explanation = camviz.explain(
+            model,
+            image,
+            "ablationcam",
+            layer="backbone",
+            target=mask_score,
+            relu=False,
+            normalize=False,
+        )
+    evidence = 0.0
+    for level in ("0", "1"):
+        expected = ablated_by_hand(model, image, level, mask_score, seen["proposals"])
+        evidence += float(expected.abs().max())
+        maps = explanation.maps_by_layer[f"backbone[{level}]"]
+        torch.testing.assert_close(maps[0], expected, atol=1e-5, rtol=0)
+    assert evidence > 0
 
 
 def test_ablationcam_on_an_rcnn_pools_only_the_explained_rows() -> None:

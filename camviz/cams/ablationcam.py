@@ -250,7 +250,10 @@ def _checked_pass(
     warning). A held pass first holds the detector's proposals of the sample."""
     with_check = torch.cat([chunk.new_full((1,), -1), chunk])
     try:
-        if held is not None and not held.hold(sample, partial(_plain_scores, data, ranks, sample)):
+        fns = [rank.score_fn for rank in ranks]
+        if held is not None and not held.hold(
+            sample, partial(_plain_scores, data, ranks, sample), fns
+        ):
             return None, "the explained scores use no region proposal"
         scores = _ablated_pass(data, ranks, mode, held, sample, with_check)
     except _BROADCAST_FAILURES as error:

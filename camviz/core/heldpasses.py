@@ -12,9 +12,10 @@ passes on ``R`` copies of one image:
   post-processing see ``R`` images;
 * the backbone's levels that the ablation did not reach (one row) are expanded to ``R`` rows;
 * an R-CNN's proposals are those of the plain pass that the explained scores use (their RoI
-  rows, :meth:`camviz.core.roiheads.RoIRows.used_proposals`): the region proposal network
-  runs on one location of one row (a module's call cannot be skipped by a hook) and its
-  answer is replaced by them, so the RoI heads score those rows only;
+  rows, :meth:`camviz.core.roiheads.RoIRows.used_proposals`; all of them for a score that may
+  read masks or keypoints): the region proposal network runs on one location of one row (a
+  module's call cannot be skipped by a hook) and its answer is replaced by them, so the RoI
+  heads score those rows only;
 * when the model is the R-CNN itself and the scores are :class:`~camviz.Detection`'s, the box
   predictor's rows of all copies are scored at once (:mod:`camviz.core.heldscores`) and the
   RoI heads' own call gets no proposal: torchvision's post-processing, which loops over the
@@ -98,16 +99,26 @@ class HeldDetector:
             return None
         return cls(detector, whole=not name)
 
-    def hold(self, sample: int, run: Callable[[], Sequence[torch.Tensor]]) -> bool:
+    def hold(
+        self, sample: int, run: Callable[[], Sequence[torch.Tensor]], fns: Sequence[object] = ()
+    ) -> bool:
         """Run the plain pass of image ``sample`` alone (``run`` gives the explained scores of
         its output) and keep an R-CNN's proposals that those scores use, once per sample;
-        whether there are any."""
+        whether there are any. ``fns`` are the score functions: one that is not a
+        :class:`~camviz.Detection`'s may read masks or keypoints, whose heads take the
+        detections of every proposal (RoI Align tells no proposal's gradient), so with such
+        heads every proposal is kept."""
         if self.rows is None:
             return True
         if sample not in self.proposals:
             with self.rows.cut(graph_after=True), torch.no_grad():
                 scores = run()
-            self.proposals[sample] = self.rows.used_proposals(scores)
+            heads: Any = self.detector.roi_heads
+            other_heads = heads.has_mask() or heads.has_keypoint()
+            if other_heads and not all(isinstance(fn, DetectionScore) for fn in fns):
+                self.proposals[sample] = self.rows.pooled_proposals()
+            else:
+                self.proposals[sample] = self.rows.used_proposals(scores)
         return any(len(boxes) for boxes in self.proposals[sample])
 
     @contextmanager

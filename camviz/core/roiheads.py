@@ -133,6 +133,11 @@ class RoIRows:
             for one, other in zip(beside, through_rows, strict=True)
         )
 
+    def pooled_proposals(self) -> list[torch.Tensor]:
+        """Each image's proposals ``(P_n, 4)`` of the last pass, all of them."""
+        assert self._pooled_from is not None  # a pass ran under cut()
+        return list(self._pooled_from[1])
+
     def used_proposals(self, scores: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Each image's proposals ``(P_n, 4)`` whose rows at least one of ``scores`` (of the
         last pass, cut with ``graph_after``) depends on, in the pooled order; a score that
