@@ -105,9 +105,9 @@ class HeldDetector:
         """Run the plain pass of image ``sample`` alone (``run`` gives the explained scores of
         its output) and keep an R-CNN's proposals that those scores use, once per sample;
         whether there are any. ``fns`` are the score functions: one that is not a
-        :class:`~camviz.Detection`'s may read masks or keypoints, whose heads take the
-        detections of every proposal (RoI Align tells no proposal's gradient), so with such
-        heads every proposal is kept."""
+        :class:`~camviz.Detection`'s read from the output as it is (:func:`reads_output`) may
+        read masks or keypoints, whose heads take the detections of every proposal (RoI Align
+        tells no proposal's gradient), so with such heads every proposal is kept."""
         if self.rows is None:
             return True
         if sample not in self.proposals:
@@ -115,7 +115,7 @@ class HeldDetector:
                 scores = run()
             heads: Any = self.detector.roi_heads
             other_heads = heads.has_mask() or heads.has_keypoint()
-            if other_heads and not all(isinstance(fn, DetectionScore) for fn in fns):
+            if other_heads and not all(map(reads_output, fns)):
                 self.proposals[sample] = self.rows.pooled_proposals()
             else:
                 self.proposals[sample] = self.rows.used_proposals(scores)
