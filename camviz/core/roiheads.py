@@ -104,20 +104,13 @@ class RoIRows:
             return torch.autograd.grad(
                 score, inputs, retain_graph=retain_graph, allow_unused=True
             )  # the heads did not run with a graph: nothing to shorten
-        weights, rows = self._leaf_gradients(score)
-        # What the score reads besides the box rows: a mask or keypoint head pools the
-        # feature maps again for the detected boxes, a path the cut leaves in the graph.
-        beside = torch.autograd.grad(
-            score, inputs, retain_graph=retain_graph or bool(len(rows)), allow_unused=True
-        )
+        # Also at ``inputs``: what the score reads besides the box rows (a mask or keypoint
+        # head pools the feature maps again for the detected boxes, a path the cut leaves).
+        weights, rows, beside = self._leaf_gradients(score, inputs)
         if not len(rows):
             return beside
-        features, proposals, image_shapes = self._pooled_from
-        subset, start = [], 0
-        for boxes in proposals:  # each image's used proposals, in the pooled order
-            mine = rows[(rows >= start) & (rows < start + len(boxes))] - start
-            subset.append(boxes[mine])
-            start += len(boxes)
+        features, _, image_shapes = self._pooled_from
+        subset = self._per_image(rows)
         with torch.enable_grad(), replayed_precision(self._autocast):
             pooled = self.pool(features, subset, image_shapes)
             logits, regression = self.predictor(self.head(pooled))
@@ -142,9 +135,13 @@ class RoIRows:
         """Each image's proposals ``(P_n, 4)`` whose rows at least one of ``scores`` (of the
         last pass, cut with ``graph_after``) depends on, in the pooled order; a score that
         depends on none (it reads no detection) adds none."""
-        assert self._pooled_from is not None  # a pass ran under cut()
         used = [self._leaf_gradients(score)[1] for score in scores if score.requires_grad]
         rows = torch.cat(used).unique() if used else torch.zeros(0, dtype=torch.long)
+        return self._per_image(rows)
+
+    def _per_image(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Each image's proposals ``(P_n, 4)`` at ``rows`` of the pooled order."""
+        assert self._pooled_from is not None  # a pass ran under cut()
         subset, start = [], 0
         for boxes in self._pooled_from[1]:
             mine = rows[(rows >= start) & (rows < start + len(boxes))] - start
@@ -152,16 +149,23 @@ class RoIRows:
             start += len(boxes)
         return subset
 
-    def _leaf_gradients(self, score: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The gradient of ``score`` at the two leaves, and the rows where it is not zero."""
+    def _leaf_gradients(
+        self, score: torch.Tensor, inputs: Sequence[torch.Tensor] = ()
+    ) -> tuple[list[torch.Tensor], torch.Tensor, tuple[torch.Tensor | None, ...]]:
+        """The gradient of ``score`` at the two leaves, the rows where it is not zero, and
+        its gradient at ``inputs`` by the paths that do not go through the leaves (one
+        backward pass for all three)."""
         assert self._leaves is not None  # a pass ran under cut()
-        leaf_grads = torch.autograd.grad(score, self._leaves, retain_graph=True, allow_unused=True)
+        grads = torch.autograd.grad(
+            score, (*self._leaves, *inputs), retain_graph=True, allow_unused=True
+        )
+        count = len(self._leaves)
         weights = [
             torch.zeros_like(leaf) if grad is None else grad
-            for leaf, grad in zip(self._leaves, leaf_grads, strict=True)
+            for leaf, grad in zip(self._leaves, grads[:count], strict=True)
         ]
         used = weights[0].flatten(1).ne(0).any(1) | weights[1].flatten(1).ne(0).any(1)
-        return weights, used.nonzero()[:, 0]
+        return weights, used.nonzero()[:, 0], grads[count:]
 
 
 AutocastState = tuple[str, torch.dtype] | None
