@@ -2,10 +2,10 @@
 
 Run by hand (never in the tests), on a quiet machine::
 
-    python benchmarks/bench_throughput.py          # 64 images, offline model, batch 16
+    python benchmarks/bench_throughput.py          # 256 images, offline model, batch 16
     ATEN_CPU_CAPABILITY=avx2 python benchmarks/bench_throughput.py   # PyTorch's AVX2 kernels
-    python benchmarks/bench_throughput.py --quick  # 16 images, batch 8: a smoke run
-    python benchmarks/bench_throughput.py --all    # also the maps-only and no-panel variants
+    python benchmarks/bench_throughput.py --quick  # 32 images, batch 8, one round: a smoke run
+    python benchmarks/bench_throughput.py --all    # also each thread count, maps only, ...
     python benchmarks/bench_throughput.py --writer # CPU time of each step of the writer
     python benchmarks/bench_throughput.py --allocator glibc   # glibc's defaults throughout
 
@@ -17,23 +17,28 @@ apply the model's preprocessing) and the same batch size:
 * ``inference``: the model alone in fp32, under ``torch.inference_mode()``, on torch's
   threads: the reference, a plain loop as one writes it;
 * ``inference, N thread(s) as the job``: the same on the threads the folder job gives the
-  model (one fewer on a CPU, :mod:`camviz.pipeline.threads`), leaving the loader a core too;
+  model by default (:mod:`camviz.pipeline.threads`), where that differs;
 * ``explain, fp32``: :func:`camviz.pipeline.job.explain_files` with the default outputs
-  (overlay PNG and panel JPEG per image, the manifest), as ``camviz explain FOLDER`` runs;
+  (overlay PNG and panel JPEG per image, the manifest), as ``camviz explain FOLDER`` runs
+  (on a CPU, with the channels-last inputs it chooses there);
 * ``explain, bf16 + channels-last``: the same with ``--precision bf16 --channels-last``,
   where the CPU computes bf16 natively (it is refused where it would only be emulated);
-* with ``--all`` also ``explain_dataset`` (Grad-CAM maps, held in memory) and ``explain,
-  overlays`` (``camviz explain --no-panel``).
+* with ``--all`` also ``inference, channels-last`` (the plain loop with channels-last
+  inputs), ``explain, fp32, contiguous`` (``--no-channels-last``), each ``explain`` on
+  torch's threads where the job's default differs, ``explain_dataset`` (Grad-CAM maps, held
+  in memory) and ``explain, overlays`` (``camviz explain --no-panel``).
 
-The whole process, plain inference included, runs with the allocator setting that the
-``camviz`` command makes (:func:`camviz.core.allocator.retain_freed_memory`: freed blocks stay
-in the heap for the next batch), so that the figures compare like with like; ``--allocator
-glibc`` keeps glibc's defaults throughout instead, as a script of one's own runs.
+Each run of a variant is a fresh Python process that sets the allocator and the threads,
+loads the model, and then times the variant over the whole folder, as a user's process runs
+it (:func:`run_variant`). The processes run with the allocator setting that the ``camviz``
+command makes (:func:`camviz.core.allocator.retain_freed_memory`: freed blocks stay in the
+heap for the next batch), plain inference included, so that the figures compare like with
+like; ``--allocator glibc`` keeps glibc's defaults instead, as a script of one's own runs.
 
-Each variant runs once to warm up, then the variants take turns for ``--repeat`` rounds
-(7, as issue 26 asks; fewer for a quick look); each figure is the median of its rounds. The
-CPU capability that PyTorch's kernels use (``ATEN_CPU_CAPABILITY`` chooses a lower one) is
-printed with the figures.
+Each variant runs once to warm the file cache, then the variants take turns for
+``--repeat`` rounds (7, as issue 26 asks; fewer for a quick look); each figure is the median
+of its rounds. The CPU capability that PyTorch's kernels use (``ATEN_CPU_CAPABILITY``
+chooses a lower one) is printed with the figures.
 
 ``--writer`` instead times, on one thread and one torch thread, what the folder job spends
 per image: the model's pass (plain inference, and the explaining pass) and each step of the
@@ -46,9 +51,12 @@ cores, every core-millisecond the writers spend is taken from the model's two th
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -109,27 +117,91 @@ class Preprocessed(Dataset):
         return self.preprocess(load_image(self.paths[index]))
 
 
-def median_rates(
-    variants: dict[str, Callable[[], int]], repeat: int
-) -> dict[str, tuple[float, float]]:
-    """Images per second of each variant and its CPU milliseconds per image (this process's
-    threads and its DataLoader workers), the medians of its ``repeat`` passes.
+def run_variant(spec: dict[str, Any]) -> dict[str, float]:
+    """Run one variant in this process, as a user's process runs it: set the allocator and
+    the threads, load the model, then time the variant over the folder. Returns the images
+    explained, the seconds, and the CPU milliseconds per image of this process and its
+    DataLoader workers."""
+    if spec["allocator"] == "camviz":
+        retain_freed_memory()
+    if spec["torch_threads"]:
+        torch.set_num_threads(spec["torch_threads"])
+    loaded = camviz.io.models.load()
+    paths = sorted(Path(spec["images"]).iterdir())
+    out = Path(spec["out"])
+    shutil.rmtree(out, ignore_errors=True)
+    before, start = os.times(), time.perf_counter()
+    if spec["kind"] == "inference":
+        loader = DataLoader(
+            Preprocessed(paths, loaded.preprocess),
+            batch_size=spec["batch"],
+            num_workers=spec["workers"],
+        )
+        count = 0
+        with running_on(spec["threads"] or torch.get_num_threads()), torch.inference_mode():
+            for batch in loader:
+                if spec["precision"].get("channels_last"):
+                    batch = batch.contiguous(memory_format=torch.channels_last)
+                loaded.model(batch)
+                count += len(batch)
+    elif spec["kind"] == "maps":
+        results = explain_dataset(
+            loaded,
+            paths,
+            batch_size=spec["batch"],
+            workers=spec["workers"],
+            keep_images=False,
+        )
+        count = sum(result.ok for result in results)
+    else:
+        manifest = explain_files(
+            paths,
+            out,
+            loaded,
+            outputs=Outputs(overlay=True, panel=spec["kind"] == "files"),
+            batch_size=spec["batch"],
+            workers=spec["workers"],
+            threads=spec["threads"],
+            **spec["precision"],
+        )
+        count = manifest["counts"]["ok"]
+    seconds = time.perf_counter() - start
+    after = os.times()  # the workers have ended: their time is in children_*
+    spent = sum(after[:4]) - sum(before[:4])
+    return {"count": count, "seconds": seconds, "cpu_ms": spent * 1000 / max(count, 1)}
 
-    Every variant runs once to warm up; then the variants take turns, ``repeat`` rounds,
-    so that a busy spell on the machine does not fall on one variant only.
+
+def median_rates(
+    variants: dict[str, dict[str, Any]], repeat: int
+) -> dict[str, tuple[float, float]]:
+    """Images per second of each variant and its CPU milliseconds per image, the medians of
+    its ``repeat`` runs, each run a fresh Python process (:func:`run_variant`).
+
+    A fresh process each time, because a process that has already run a variant has grown
+    its heap, and each later DataLoader forks from it: every page of that heap is then
+    copy-on-write, a page fault on its first write, a fixed cost per run that pulls every
+    ratio towards 1 (``camviz explain`` forks once, before its heap grows). Every variant
+    runs once to warm the file cache; then the variants take turns, in reverse order every
+    other round, so that a busy spell on the machine does not fall on one variant only.
     """
-    for run in variants.values():
-        run()
+
+    def measure(spec: dict[str, Any]) -> dict[str, float]:
+        command = [sys.executable, __file__, "--variant", json.dumps(spec)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise SystemExit(f"{spec['kind']} failed:\n{done.stderr}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    for spec in variants.values():
+        measure(spec)
     rates: dict[str, list[float]] = {name: [] for name in variants}
     costs: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeat):
-        for name, run in variants.items():
-            before, start = os.times(), time.perf_counter()
-            count = run()
-            rates[name].append(count / (time.perf_counter() - start))
-            after = os.times()  # the workers have ended: their time is in children_*
-            spent = sum(after[:4]) - sum(before[:4])
-            costs[name].append(spent * 1000 / count)
+    for round_ in range(repeat):
+        names = list(variants) if round_ % 2 == 0 else list(reversed(variants))
+        for name in names:
+            run = measure(variants[name])
+            rates[name].append(run["count"] / run["seconds"])
+            costs[name].append(run["cpu_ms"])
     return {
         name: (statistics.median(rates[name]), statistics.median(costs[name])) for name in rates
     }
@@ -186,14 +258,16 @@ def writer_steps(loaded: Any, paths: list[Path], out: Path, repeat: int) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--images", type=int, default=64)
+    parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--workers", type=int, default=min(4, max(0, (os.cpu_count() or 1) - 1)))
     parser.add_argument(
         "--repeat", type=int, default=7, help="rounds (7; fewer for a quick look only)"
     )
-    parser.add_argument("--quick", action="store_true", help="16 images, batch 8, one pass")
-    parser.add_argument("--all", action="store_true", help="also maps only and overlays only")
+    parser.add_argument("--quick", action="store_true", help="32 images, batch 8, one round")
+    parser.add_argument(
+        "--all", action="store_true", help="also each thread count, maps only, overlays only"
+    )
     parser.add_argument("--threads", type=int, help="torch threads; 1 on a busy machine")
     parser.add_argument("--writer", action="store_true", help="CPU time of the writer's steps")
     parser.add_argument(
@@ -202,17 +276,20 @@ def main() -> None:
         default="camviz",
         help="camviz: freed memory kept, as the camviz command runs; glibc: its defaults",
     )
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # one run, in a child process
     args = parser.parse_args()
+    if args.variant:
+        print(json.dumps(run_variant(json.loads(args.variant))))
+        return
     if args.allocator == "camviz" and not retain_freed_memory():
         print("allocator: glibc's defaults (not glibc, or set in the environment)")
         args.allocator = "glibc"
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
-        args.images, args.batch, args.repeat = 16, 8, 1
+        args.images, args.batch, args.repeat = 32, 8, 1
     elif args.repeat < 1:
         parser.error("--repeat must be at least 1 (7 for the figures issue 26 asks for)")
-    loaded = camviz.io.models.load()
     reduced: dict[str, Any] = {"precision": "bf16", "channels_last": True}
     try:
         check_precision("bf16", torch.device("cpu"), used=True)
@@ -226,80 +303,79 @@ def main() -> None:
     try:
         (folder / "images").mkdir()
         paths = make_images(folder / "images", args.images)
-        out = folder / "out"
         if args.writer:
-            steps = writer_steps(loaded, paths[: args.batch], out, args.repeat)
+            loaded = camviz.io.models.load()
+            steps = writer_steps(loaded, paths[: args.batch], folder / "out", args.repeat)
             print(f"{loaded.name}, one thread, CPU time per 400x300 image, median of {args.repeat}")
             print("| step | ms of CPU time per image |\n| --- | --- |")
             for name, milliseconds in steps.items():
                 print(f"| {name} | {milliseconds:.1f} |")
             return
-
-        def inference(threads: int) -> Callable[[], int]:
-            def run() -> int:
-                loader = DataLoader(
-                    Preprocessed(paths, loaded.preprocess),
-                    batch_size=args.batch,
-                    num_workers=args.workers,
-                )
-                count = 0
-                with running_on(threads), torch.inference_mode():
-                    for batch in loader:
-                        loaded.model(batch)
-                        count += len(batch)
-                return count
-
-            return run
-
-        def maps() -> int:
-            results = explain_dataset(
-                loaded, paths, batch_size=args.batch, workers=args.workers, keep_images=False
-            )
-            return sum(result.ok for result in results)
-
-        def files(outputs: Outputs, **precision: Any) -> Callable[[], int]:
-            def run() -> int:
-                shutil.rmtree(out, ignore_errors=True)
-                manifest = explain_files(
-                    paths,
-                    out,
-                    loaded,
-                    outputs=outputs,
-                    batch_size=args.batch,
-                    workers=args.workers,
-                    **precision,
-                )
-                return manifest["counts"]["ok"]
-
-            return run
-
-        threads = torch.get_num_threads()
-        variants = {"inference": inference(threads)}
-        job_threads = model_threads(None, torch.device("cpu"))
-        if job_threads != threads:  # the same cores left to the loader as the job leaves
-            variants[f"inference, {job_threads} thread(s) as the job"] = inference(job_threads)
-        variants["explain, fp32"] = files(Outputs())
-        if reduced:
-            variants["explain, bf16 + channels-last"] = files(Outputs(), **reduced)
-        if args.all:
-            variants["explain_dataset"] = maps
-            variants["explain, overlays"] = files(Outputs(overlay=True, panel=False))
-        rates = median_rates(variants, args.repeat)
+        rates = median_rates(variant_specs(args, folder, reduced), args.repeat)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
     print(
-        f"{loaded.name}, {args.images} images of 400x300 (224x299 after preprocessing), "
-        f"batch {args.batch}, {args.workers} DataLoader workers, {torch.get_num_threads()} "
-        f"torch threads, {os.cpu_count()} CPUs, torch {torch.__version__}, CPU capability "
-        f"{torch.backends.cpu.get_cpu_capability()}, allocator {args.allocator}, median of "
-        f"{args.repeat} rounds\n"
+        f"{camviz.io.models.load().name}, {args.images} images of 400x300 (224x299 after "
+        f"preprocessing), batch {args.batch}, {args.workers} DataLoader workers, "
+        f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, torch "
+        f"{torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"allocator {args.allocator}, each run a fresh process, median of {args.repeat} rounds\n"
     )
     print("| variant | images/s | vs inference | CPU ms per image |")
     print("| --- | --- | --- | --- |")
     reference = rates["inference"][0]
     for name, (rate, cost) in rates.items():
         print(f"| {name} | {rate:.1f} | {rate / reference:.2f}x | {cost:.0f} |")
+
+
+def variant_specs(
+    args: argparse.Namespace, folder: Path, reduced: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """What each variant's process runs (:func:`run_variant`), by the variant's name."""
+    base = {
+        "images": str(folder / "images"),
+        "out": str(folder / "out"),
+        "batch": args.batch,
+        "workers": args.workers,
+        "allocator": args.allocator,
+        "torch_threads": args.threads,
+        "threads": None,
+        "precision": {},
+    }
+    threads = torch.get_num_threads()
+    job_threads = model_threads(None, torch.device("cpu"))
+    variants = {"inference": {**base, "kind": "inference"}}
+    if job_threads != threads:  # the same cores left to the loader as the job leaves
+        variants[f"inference, {job_threads} thread(s) as the job"] = {
+            **base,
+            "kind": "inference",
+            "threads": job_threads,
+        }
+    if args.all:
+        variants["inference, channels-last"] = {
+            **base,
+            "kind": "inference",
+            "precision": {"channels_last": True},
+        }
+    precisions: dict[str, dict[str, Any]] = {"fp32": {}}
+    if args.all:
+        precisions["fp32, contiguous"] = {"channels_last": False}
+    if reduced:
+        precisions["bf16 + channels-last"] = reduced
+    for name, precision in precisions.items():
+        variants[f"explain, {name}"] = {**base, "kind": "files", "precision": precision}
+        if args.all and job_threads != threads and name != "fp32, contiguous":
+            variants[f"explain, {name}, {threads} threads"] = {
+                **base,
+                "kind": "files",
+                "precision": precision,
+                "threads": threads,
+            }
+    if args.all:
+        variants["explain_dataset"] = {**base, "kind": "maps"}
+        variants["explain, overlays"] = {**base, "kind": "overlays"}
+    return variants
 
 
 if __name__ == "__main__":
