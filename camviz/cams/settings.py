@@ -38,7 +38,9 @@ class ExplainSettings:
         method: A CAM method name (``camviz methods`` lists them).
         layer: Target layer name(s); ``None`` uses the model's known default or finds one.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` forward passes.
-        channels_last: Channels-last inputs for the model.
+        channels_last: Channels-last inputs for the model; ``None`` lets the folder job
+            choose (channels-last on a CPU, see
+            :func:`~camviz.pipeline.dataset.explain_dataset`), contiguous ones elsewhere.
         memory_budget: Bytes (or ``"512MiB"``) that the perturbed passes of Score-CAM,
             SS-CAM, IS-CAM and Ablation-CAM may add; other methods ignore it. ``None``: the
             methods' default.
@@ -52,7 +54,7 @@ class ExplainSettings:
     method: str = "gradcam"
     layer: Layer | Sequence[Layer] | None = None
     precision: Precision = "fp32"
-    channels_last: bool = False
+    channels_last: bool | None = False
     memory_budget: int | str | None = None
     layout: str | None = None
     compile_rest: bool = False

@@ -52,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_what_to_explain(parser)
     _add_outputs(parser)
     _add_batches(parser)
-    add_precision_options(parser)
+    add_precision_options(parser, job=True)
     add_memory_budget_option(parser)
     add_compile_option(parser)
     add_layout_option(parser)

@@ -162,8 +162,10 @@ def _numbers(text: str) -> tuple[float, ...]:
         ) from None
 
 
-def add_precision_options(parser: argparse.ArgumentParser) -> None:
-    """``--precision`` and ``--channels-last`` (see :mod:`camviz.core.precision`)."""
+def add_precision_options(parser: argparse.ArgumentParser, *, job: bool = False) -> None:
+    """``--precision`` and ``--channels-last`` (see :mod:`camviz.core.precision`); for the
+    folder job (``job=True``) also ``--no-channels-last``, since it chooses channels-last
+    inputs on a CPU by itself (``channels_last=None``)."""
     parser.add_argument(
         "--precision",
         choices=("fp32", "bf16", "fp16"),
@@ -173,8 +175,10 @@ def add_precision_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--channels-last",
-        action="store_true",
-        help="hand the model channels-last inputs (faster convolutions on most hardware)",
+        action=argparse.BooleanOptionalAction if job else "store_true",
+        default=None if job else False,
+        help="hand the model channels-last inputs (faster convolutions on most hardware)"
+        + ("; the default on a CPU, unless the model fails on them" if job else ""),
     )
 
 

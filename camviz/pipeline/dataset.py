@@ -67,6 +67,7 @@ from camviz.pipeline.results import (
     results_of,
 )
 from camviz.pipeline.tasks import Group, TaskOptions, clip_spec
+from camviz.pipeline.threads import yield_to_model
 
 # ImageResult and Prediction, what explain_dataset yields, are made in results.py.
 __all__ = [
@@ -260,25 +261,24 @@ def explain_dataset(
         layer: Target layer name(s); ``None`` uses the loaded model's default, or finds one.
         target: What to explain, as in :func:`camviz.explain` (class id, ``"top3"``, ...).
         batch_size: Images per forward pass.
-        workers: DataLoader worker processes that decode and preprocess; 0 reads in this
-            process.
+        workers: DataLoader processes that decode and preprocess; 0 reads in this one.
         every: For videos, explain every ``every``-th frame.
         indices: Explain only these positions of the dataset, in this order (one shard of
             a distributed run, or what is left to do).
         keep_images: Give each result its original image (needed to draw overlays).
         max_pixels: Larger images are refused (see :func:`camviz.images.load_image`).
-        progress: A tqdm progress bar on stderr with images/s and the time left: ``True``,
-            ``False``, or ``None`` for "when stderr is a terminal".
+        progress: A tqdm progress bar on stderr (images/s, time left): ``True``, ``False``,
+            or ``None`` for "when stderr is a terminal".
         task_options: For detectors (``min_score``, ``max_objects``) and video models
             (``clip_len``, ``stride``), whose task is told from the model; see
             :mod:`camviz.pipeline.tasks` (``None``: its defaults).
         **options: Passed to :func:`camviz.explain` (``output_key=``, ``aug_smooth=``,
-            ``precision=``, ``channels_last=``, method options).
+            ``precision=``, ``channels_last=``, method options); ``channels_last=None``:
+            channels-last on a CPU unless the model fails on them (then contiguous, warned).
 
     Returns:
-        A generator of :class:`ImageResult`, one per input. Results come as their batch
-        finishes, so not in input order; ``result.index`` says which input each one is.
-        Unreadable inputs give results with ``status == "error"``.
+        A generator of :class:`ImageResult`, one per input, as its batch finishes (not in
+        input order: see ``result.index``); ``status == "error"`` for an unreadable one.
 
     Raises:
         CamvizError: A bad argument, or no input found; a mistake in ``method``, ``layer``
@@ -319,6 +319,7 @@ def explain_dataset(
         num_workers=workers,
         collate_fn=packed,
         pin_memory=explainer.device.type == "cuda",
+        worker_init_fn=yield_to_model,
     )
     return _explained(loader, explainer, known, batch_size, len(order), progress)
 
@@ -448,11 +449,16 @@ class _BatchExplainer:
         self.method = method
         self.layer = layer
         self.target = target
-        self.options = options
         self.task = task
         self.task_options = task_options or TaskOptions()
         self.device = model_device(network) or torch.device("cpu")
         self.explained_any = False  # whether an input was explained yet
+        # channels_last=None: channels-last inputs on a CPU, until the model fails on them.
+        automatic = options.get("channels_last", False) is None
+        self.trying_channels_last = automatic and self.device.type == "cpu"
+        if automatic:
+            options = {**options, "channels_last": self.trying_channels_last}
+        self.options = options
 
     def __call__(self, samples: list[_Sample], items: list[Item] | None) -> list[ImageResult]:
         if not samples:
@@ -463,6 +469,8 @@ class _BatchExplainer:
         except (CamvizError, RuntimeError, MemoryError) as error:
             if not belongs_to_input(error):
                 raise  # a bug of camviz keeps its traceback: it is no row of an input
+            if self.trying_channels_last and not self.explained_any:
+                return self._contiguous(samples, items, error)
             return self._retried(samples, items, error)
         self.explained_any = True
         share = (time.perf_counter() - started) / len(samples)
@@ -491,6 +499,25 @@ class _BatchExplainer:
         categories = self.categories or []
         groups = choosing.groups(self.task, len(batch), self.target, categories, self.task_options)
         return [(group, self._explain(batch, group)) for group in groups]
+
+    def _contiguous(
+        self, samples: list[_Sample], items: list[Item] | None, error: BaseException
+    ) -> list[ImageResult]:
+        """The results of the first batch, which failed on channels-last inputs that were not
+        asked for: it is explained again, and the rest of the run too, on contiguous inputs
+        (a model that calls ``.view`` on a convolution's output cannot take channels-last
+        ones); if the batch then succeeds, one warning says so."""
+        self.trying_channels_last = False
+        self.options = {**self.options, "channels_last": False}
+        results = self(samples, items)
+        if self.explained_any:
+            warnings.warn(
+                f"the model failed on channels-last inputs ({first_line(error)}); it gets "
+                "contiguous ones instead (--no-channels-last, channels_last=False: from the "
+                "start)",
+                stacklevel=2,
+            )
+        return results
 
     def _retried(
         self, samples: list[_Sample], items: list[Item] | None, error: BaseException

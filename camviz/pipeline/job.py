@@ -158,7 +158,7 @@ def explain_files(
     threads: int | None = None,
     progress: bool | None = False,
     precision: str = "fp32",
-    channels_last: bool = False,
+    channels_last: bool | None = None,
     memory_budget: int | str | None = None,
     task_options: TaskOptions | None = None,
     input_size: int | None = None,

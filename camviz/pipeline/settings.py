@@ -67,6 +67,9 @@ class JobSettings(ExplainSettings):
     ``precision``, ``channels_last``, ``memory_budget``), and:
 
     Attributes:
+        channels_last: Channels-last inputs for the model; ``None`` (the default) chooses
+            them for images on a CPU, where the job runs faster so, unless the model fails
+            on them (see :func:`~camviz.pipeline.dataset.explain_dataset`).
         target: What to explain (class id, ``"top1"``, ``"top3"``, ...).
         render: Colour map and blend weight of the overlays.
         outputs: Which files to write per image.
@@ -85,6 +88,7 @@ class JobSettings(ExplainSettings):
         volumes: For NIfTI volumes: the intensity window and the sliding windows.
     """
 
+    channels_last: bool | None = None
     target: Target = None
     render: RenderOptions = RenderOptions()
     outputs: Outputs = Outputs()

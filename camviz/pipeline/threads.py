@@ -10,16 +10,32 @@ kernel instead, the model's passes spend much of their time in page faults, whic
 take in parallel, and torch's setting stays. ``JobSettings.threads`` (``camviz explain
 --threads``) sets the number; torch's setting comes back when the job ends. Why, with the
 figures: ``docs/architecture.md``, *Many images*.
+
+The helpers also yield to the model's thread (:func:`yield_to_model`): the DataLoader
+workers and the writer threads run at a niceness :data:`HELPER_NICENESS` above the thread
+that started them. On two cores the model's thread, a worker and two writers are four
+threads, and the scheduler shares the cores evenly between whichever are ready; the model's
+thread, on whose pace the whole job waits, was running three quarters of the time. At a
+lower priority the helpers take the time that the model leaves them, and they still keep up,
+since their work per image is a fraction of the model's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import platform
+import threading
 from collections.abc import Iterator
 
 import torch
 
 from camviz.core.allocator import freed_memory_retained
+
+#: How much nicer (lower in priority) the helpers run than the model's thread (Linux).
+HELPER_NICENESS = 5
+# The nicest a thread can be.
+_NICEST = 19
 
 
 def model_threads(threads: int | None, device: torch.device | None) -> int:
@@ -41,3 +57,18 @@ def running_on(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def yield_to_model(_worker_id: int | None = None) -> None:
+    """Lower the calling thread's priority by :data:`HELPER_NICENESS` (see the module
+    docstring); for a DataLoader's ``worker_init_fn`` and the writer threads.
+
+    Only on Linux, whose niceness is per thread; elsewhere it does nothing. A niceness cannot
+    be raised back without privileges, so only threads and processes that camviz starts for
+    a job, and that end with it, call this.
+    """
+    if platform.system() != "Linux":
+        return
+    thread = threading.get_native_id()
+    niceness = os.getpriority(os.PRIO_PROCESS, thread)
+    os.setpriority(os.PRIO_PROCESS, thread, min(_NICEST, niceness + HELPER_NICENESS))

@@ -13,7 +13,8 @@ parallel region of the model's thread pays for waking its team: a small CNN's tr
 took 1.5x as long while the tracker's idle writer thread lived (``benchmarks/bench_tracker.py``).
 ``torch.set_num_threads`` sets the calling thread's OpenMP team size and also the default of
 threads that start later, so the submitting thread sets that default back once the writers
-have taken theirs.
+have taken theirs. They also run at a lower priority than the thread that started them
+(:func:`camviz.pipeline.threads.yield_to_model`), so that on a busy CPU the model goes first.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from types import TracebackType
 from typing import Any
 
 import torch
+
+from camviz.pipeline.threads import yield_to_model
 
 _STOP = None  # put on the queue once per thread to end it
 
@@ -118,6 +121,7 @@ class Writer:
     def _work(self, started: threading.Event) -> None:
         torch.get_num_threads()  # torch sets a thread's team size on its first use: first
         torch.set_num_threads(1)  # then this thread's own, which that would overwrite
+        yield_to_model()
         started.set()
         while (entry := self._jobs.get()) is not _STOP:
             job, args = entry

@@ -35,6 +35,7 @@ from camviz.io.images import PathLike, Preprocess
 from camviz.io.models import LoadedModel
 from camviz.pipeline.dataset import ItemDataset
 from camviz.pipeline.inputs import expand
+from camviz.pipeline.threads import yield_to_model
 from camviz.units.heaps import Example, TopHeaps
 from camviz.units.spots import outputs_at, spatial_view
 
@@ -246,6 +247,7 @@ def scan_batches(
         sampler=list(order),
         num_workers=workers,
         collate_fn=list,
+        worker_init_fn=yield_to_model,
     )
     waiting: dict[tuple[int, ...], list[tuple[int, torch.Tensor]]] = {}
     disable = None if progress is None else not progress
