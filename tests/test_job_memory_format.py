@@ -1,6 +1,7 @@
-"""The folder job hands the model channels-last inputs on a CPU unless told otherwise
+"""The folder job hands the model channels-last images on a CPU unless told otherwise
 (``channels_last=None``, its default), and contiguous ones from the first batch on if the
-model fails on channels-last ones, with one warning; the maps are the contiguous run's."""
+model fails on channels-last ones, with one warning; the maps are the contiguous run's.
+Video clips stay as they come."""
 
 from __future__ import annotations
 
@@ -117,3 +118,13 @@ def test_the_command_lets_the_job_choose_unless_told(
     assert explain_command._settings(args, synthetic_classifier).channels_last is expected
     other = build_parser().parse_args(["compare", str(tmp_path)])  # one image: told, or not
     assert other.channels_last is False
+
+
+def test_video_clips_stay_as_they_come(synthetic_classifier):
+    from camviz.pipeline.dataset import _BatchExplainer
+
+    for task, chosen in (("classification", True), ("video", False)):
+        explainer = _BatchExplainer(
+            synthetic_classifier.model, None, "gradcam", None, None, {"channels_last": None}, task
+        )
+        assert explainer.options["channels_last"] is chosen

@@ -274,7 +274,7 @@ def explain_dataset(
             :mod:`camviz.pipeline.tasks` (``None``: its defaults).
         **options: Passed to :func:`camviz.explain` (``output_key=``, ``aug_smooth=``,
             ``precision=``, ``channels_last=``, method options); ``channels_last=None``:
-            channels-last on a CPU unless the model fails on them (then contiguous, warned).
+            channels-last images on a CPU unless the model fails on them (then contiguous).
 
     Returns:
         A generator of :class:`ImageResult`, one per input, as its batch finishes (not in
@@ -453,9 +453,10 @@ class _BatchExplainer:
         self.task_options = task_options or TaskOptions()
         self.device = model_device(network) or torch.device("cpu")
         self.explained_any = False  # whether an input was explained yet
-        # channels_last=None: channels-last inputs on a CPU, until the model fails on them.
+        # channels_last=None: channels-last images on a CPU, until the model fails on them
+        # (video clips stay as they come: 3-D channels-last convolutions were not measured).
         automatic = options.get("channels_last", False) is None
-        self.trying_channels_last = automatic and self.device.type == "cpu"
+        self.trying_channels_last = automatic and self.device.type == "cpu" and task != "video"
         if automatic:
             options = {**options, "channels_last": self.trying_channels_last}
         self.options = options

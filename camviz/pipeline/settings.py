@@ -68,8 +68,9 @@ class JobSettings(ExplainSettings):
 
     Attributes:
         channels_last: Channels-last inputs for the model; ``None`` (the default) chooses
-            them for images on a CPU, where the job runs faster so, unless the model fails
-            on them (see :func:`~camviz.pipeline.dataset.explain_dataset`).
+            them for images (not video clips or volumes) on a CPU, where the job runs faster
+            so, unless the model fails on them (see
+            :func:`~camviz.pipeline.dataset.explain_dataset`).
         target: What to explain (class id, ``"top1"``, ``"top3"``, ...).
         render: Colour map and blend weight of the overlays.
         outputs: Which files to write per image.

@@ -32,6 +32,8 @@ import torch
 
 from camviz.core.allocator import freed_memory_retained
 
+__all__ = ["HELPER_NICENESS", "model_threads", "running_on", "yield_to_model"]
+
 #: How much nicer (lower in priority) the helpers run than the model's thread (Linux).
 HELPER_NICENESS = 5
 # The nicest a thread can be.
