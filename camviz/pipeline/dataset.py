@@ -513,9 +513,9 @@ class _BatchExplainer:
         results = self(samples, items)
         if self.explained_any:
             warnings.warn(
-                f"the model failed on channels-last inputs ({first_line(error)}); it gets "
-                "contiguous ones instead (--no-channels-last, channels_last=False: from the "
-                "start)",
+                f"channels-last inputs, chosen on a CPU, did not work: {first_line(error)}; "
+                "the model gets contiguous ones instead (--no-channels-last or "
+                "channels_last=False asks for them from the start)",
                 stacklevel=2,
             )
         return results
