@@ -66,8 +66,9 @@ def yield_to_model(_worker_id: int | None = None) -> None:
     docstring); for a DataLoader's ``worker_init_fn`` and the writer threads.
 
     Only on Linux, whose niceness is per thread; elsewhere it does nothing. A niceness cannot
-    be raised back without privileges, so only threads and processes that camviz starts for
-    a job, and that end with it, call this.
+    be raised back without privileges, so call it only in a thread or process that ends
+    with the work (camviz's own helpers do; so may a loop of one's own, as
+    ``DataLoader(..., worker_init_fn=yield_to_model)``).
     """
     if platform.system() != "Linux":
         return
