@@ -107,6 +107,24 @@ def test_a_model_that_fails_on_channels_last_inputs_gets_contiguous_ones(
         job.explain_files(photos, tmp_path / "asked", viewing_model, channels_last=True)
 
 
+def test_a_batch_that_fails_for_another_reason_keeps_channels_last_and_warns_nothing(
+    synthetic_classifier, make_photos, tmp_path
+):
+    def one_at_a_time(module, args):  # fails on a batch in either memory format
+        if len(args[0]) > 1:
+            raise RuntimeError("this model takes one image at a time")
+
+    photos = make_photos(tmp_path / "photos", {"a.png": (32, 24), "b.png": (32, 24)})
+    handle = synthetic_classifier.model.register_forward_pre_hook(one_at_a_time)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no word about channels-last
+            seen = formats_seen(synthetic_classifier, photos, tmp_path / "out")
+    finally:
+        handle.remove()
+    assert seen == {"channels-last"}  # the images, one at a time, as chosen
+
+
 @pytest.mark.parametrize(
     ("options", "expected"),
     [([], None), (["--channels-last"], True), (["--no-channels-last"], False)],

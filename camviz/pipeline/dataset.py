@@ -467,12 +467,14 @@ class _BatchExplainer:
         started = time.perf_counter()
         try:
             explained = self._explained(samples)
-        except (CamvizError, RuntimeError, MemoryError) as error:
+        except _FAILURES as error:
             if not belongs_to_input(error):
                 raise  # a bug of camviz keeps its traceback: it is no row of an input
-            if self.trying_channels_last and not self.explained_any:
-                return self._contiguous(samples, items, error)
-            return self._retried(samples, items, error)
+            first = self.trying_channels_last and not self.explained_any
+            again = self._contiguous(samples, error) if first else None
+            if again is None:
+                return self._retried(samples, items, error)
+            explained = again
         self.explained_any = True
         share = (time.perf_counter() - started) / len(samples)
         results = []
@@ -502,23 +504,30 @@ class _BatchExplainer:
         return [(group, self._explain(batch, group)) for group in groups]
 
     def _contiguous(
-        self, samples: list[_Sample], items: list[Item] | None, error: BaseException
-    ) -> list[ImageResult]:
-        """The results of the first batch, which failed on channels-last inputs that were not
-        asked for: it is explained again, and the rest of the run too, on contiguous inputs
-        (a model that calls ``.view`` on a convolution's output cannot take channels-last
-        ones); if the batch then succeeds, one warning says so."""
+        self, samples: list[_Sample], error: BaseException
+    ) -> list[tuple[Group, Any]] | None:
+        """The explanations of the first batch on contiguous inputs, after it failed on the
+        channels-last ones that were chosen, not asked for (a model that calls ``.view`` on a
+        convolution's output cannot take them): then the rest of the run gets contiguous
+        inputs too, and one warning says so. ``None`` if the batch fails on those as well:
+        the memory format was not the cause, and channels-last stays."""
         self.trying_channels_last = False
-        self.options = {**self.options, "channels_last": False}
-        results = self(samples, items)
-        if self.explained_any:
-            warnings.warn(
-                f"channels-last inputs, chosen on a CPU, did not work: {first_line(error)}; "
-                "the model gets contiguous ones instead (--no-channels-last or "
-                "channels_last=False asks for them from the start)",
-                stacklevel=2,
-            )
-        return results
+        chosen = self.options
+        self.options = {**chosen, "channels_last": False}
+        try:
+            explained = self._explained(samples)
+        except _FAILURES as again:
+            if not belongs_to_input(again):
+                raise
+            self.options = chosen
+            return None
+        warnings.warn(
+            f"channels-last inputs, chosen on a CPU, did not work: {first_line(error)}; "
+            "the model gets contiguous ones instead (--no-channels-last or "
+            "channels_last=False asks for them from the start)",
+            stacklevel=3,
+        )
+        return explained
 
     def _retried(
         self, samples: list[_Sample], items: list[Item] | None, error: BaseException
@@ -552,6 +561,10 @@ class _BatchExplainer:
         if self.task == "detection":
             return torch.zeros(count, 0)
         return as_logits(explanation.output, self.options.get("output_key")).detach().float()
+
+
+# What explaining a batch raises for its inputs (and, told apart by belongs_to_input, bugs).
+_FAILURES = (CamvizError, RuntimeError, MemoryError)
 
 
 def belongs_to_input(error: BaseException) -> bool:
