@@ -43,6 +43,18 @@ def grey():
     return nn.Sequential(nn.Conv2d(1, 2, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
 
 
+class Seeing(nn.Sequential):  # remembers the size of every input it is given
+    def forward(self, x):
+        self.seen.append(tuple(x.shape[2:]))
+        return super().forward(x)
+
+
+def seeing():
+    model = Seeing(nn.Conv2d(3, 2, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    model.seen = []
+    return model
+
+
 def not_a_model():
     return [1, 2]
 
@@ -227,6 +239,27 @@ def test_grey_images_with_one_mean_and_std(factory_file, photo):
     tensor = loaded.preprocess(camviz.load_image(photo))
     torch.testing.assert_close(tensor, ((grey - 0.5) / 0.25)[None])
     assert loaded.default_layer == "0"
+
+
+def test_the_dry_runs_of_a_load_run_at_the_input_size_asked_for(factory_file, yolo):
+    loaded = camviz.load_model(f"{factory_file}:seeing", input_size=20)
+    assert loaded.model.seen and set(loaded.model.seen) == {(20, 20)}
+    assert loaded.default_layer == "1" and loaded.categories == ["class 0", "class 1"]
+
+    yaml, weights = yolo
+    tasks = import_ultralytics()
+    letterboxed: list[tuple[int, ...]] = []
+
+    def seen(module, args):
+        if isinstance(module, tasks.DetectionModel):
+            letterboxed.append(tuple(args[0].shape[2:]))
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(seen)
+    try:
+        camviz.load_model(f"yolo:{yaml}", weights=weights, input_size=32)
+    finally:
+        hook.remove()
+    assert letterboxed and set(letterboxed) == {(32, 32)}  # not Ultralytics' own 640
 
 
 def test_every_subcommand_with_a_model_takes_the_sources_options(factory_file, photo):

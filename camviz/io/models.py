@@ -202,17 +202,14 @@ def load(
     preprocess = _adjusted(source.preprocess(), options)
     task = options.task or source.task(model) or task_of(model)
     clip_len = (source.clip_len() or DEFAULT_CLIP_LEN) if task == "video" else None
-    blank = _blank(model, preprocess, task, clip_len)
-    loaded = LoadedModel(
-        model=model,
-        preprocess=preprocess,
-        categories=_categories(source.class_names(model), options.classes, model, blank),
-        name=source.name,
-        default_layer=_default_layer(model, blank, task),
-        task=task,
-        clip_len=clip_len,
-    )
-    return loaded if input_size is None else with_input_size(loaded, input_size)
+    loaded = LoadedModel(model, preprocess, [], source.name, task=task, clip_len=clip_len)
+    if input_size is not None:  # before the dry runs, which then run at the size asked for
+        loaded = with_input_size(loaded, input_size)
+    blank = _blank(model, loaded.preprocess, task, clip_len)
+    with loaded.applied():
+        categories = _categories(source.class_names(model), options.classes, model, blank)
+        default = _default_layer(model, blank, task)
+    return dataclasses.replace(loaded, categories=categories, default_layer=default)
 
 
 def _read_classes(classes: str | Path | Sequence[str]) -> list[str]:
