@@ -347,6 +347,29 @@ def test_a_unit_of_the_yolo_heads_input_as_the_issue_spells_it_is_its_first_leve
     torch.testing.assert_close(whole.scores, levels[0][:, :4].mean((2, 3)).T.reshape(-1))
 
 
+@pytest.mark.parametrize("config", tp.YOLO_CONFIGS)
+@pytest.mark.parametrize("level", [0, 2])
+def test_a_unit_inside_a_yolo_heads_branch_is_explained_at_the_level_it_reads(
+    config: str, level: int
+) -> None:
+    model, images = tp.yolo(config), tp.images(64, 64)
+    head = tp.yolo_head(model)
+    unit = camviz.Unit(f"{head}.cv2.{level}.0", channel=1)
+    picked = camviz.explain(model, images, target=unit, relu=False)
+    given = model.model[-1].f[level]  # the layer whose output is this level
+    assert picked.layers == [f"model.{given}"]
+    named = camviz.explain(model, images, layer=f"model.{given}", target=unit, relu=False)
+    torch.testing.assert_close(picked.heatmaps, named.heatmaps, rtol=0, atol=0)
+    assert picked.heatmaps.abs().amax() > 0
+    # Each of the head's other levels gives the unit a map of zeros.
+    fused = camviz.explain(
+        model, images, layer=f"{head}:input", target=unit, normalize=False, relu=False
+    )
+    maps = list(fused.maps_by_layer.values())
+    assert len(maps) == 3 and maps[level].abs().amax() > 0
+    assert all(kept.abs().amax() == 0 for index, kept in enumerate(maps) if index != level)
+
+
 def test_detr_boxes_are_in_the_input_pixels() -> None:
     model = tp.hf_detr()
     pixels = tp.images(64, 96)

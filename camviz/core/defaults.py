@@ -18,7 +18,8 @@ layer, in call order, whose output
 * lies outside any attention computation (its q/k/v projections; attention is told by what
   it computes, :class:`~camviz.core.lineage.Lineage`) and outside a module that takes a list
   of feature maps (Ultralytics' ``Detect`` and ``Segment`` heads, Segformer's decode head):
-  such a module is explained at its input levels instead (``"model.22:input"``), fused;
+  such a module is explained at its input levels instead (``"model.22:input"``), fused (a
+  unit inside it that reads one level: at the layer that gives that level);
 * and that the explained score depends on: the backward pass reaches it, and for tokens
   the patch tokens get a gradient. A ViT's head reads only the class token after the last
   attention, so its last block's output has no gradient at the patches, and the answer is
@@ -148,10 +149,17 @@ def _dry_run(
         if isinstance(output, torch.Tensor):
             run.tensors[len(run.log.calls) - 1] = output  # record_calls's hook ran first
 
-    def before(name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if args and isinstance(args[0], (list, tuple, Mapping)):
-            values = args[0].values() if isinstance(args[0], Mapping) else args[0]
-            run.levels.setdefault(name, [v for v in values if isinstance(v, torch.Tensor)])
+    def before(name: str, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if not args or not isinstance(args[0], (list, tuple, Mapping)) or name in run.levels:
+            return None
+        if isinstance(args[0], Mapping):
+            run.levels[name] = [v for v in args[0].values() if isinstance(v, torch.Tensor)]
+            return None
+        # The module gets aliases of its levels, so that their gradients count only what
+        # reaches them through it: a level is also the next one's source (YOLO's neck).
+        levels = [v.view_as(v) if isinstance(v, torch.Tensor) else v for v in args[0]]
+        run.levels[name] = [v for v in levels if isinstance(v, torch.Tensor)]
+        return (type(args[0])(levels), *args[1:])
 
     def keep(spot: str, tensor: torch.Tensor) -> torch.Tensor:
         run.spots.setdefault(spot, tensor)
@@ -371,7 +379,11 @@ def _scored(run: _DryRun, index: int, call: Call) -> bool:
 
 def _levels_scored(run: _DryRun, name: str, size: tuple[int, ...]) -> bool:
     """Whether a module that takes a list holds at least two feature maps of the input's
-    proportions, one of which the explained score depends on."""
+    proportions, one of which the explained score depends on; for a target that reads a
+    layer (a unit), two of which it depends on. A unit inside such a module (one of YOLO's
+    per-level branches) depends on its level alone, whatever the image: it is explained at
+    the layer that gives that level, not at all of them with the others' maps zero. A
+    detection's one level is a matter of the object, so its levels stay fused."""
     maps = [
         tensor
         for tensor in run.levels.get(name, [])
@@ -382,7 +394,8 @@ def _levels_scored(run: _DryRun, name: str, size: tuple[int, ...]) -> bool:
     if run.gradients is None:
         return True
     gradients = run.level_gradients.get(name, [])
-    return any(gradient is not None and bool(gradient.ne(0).any()) for gradient in gradients)
+    scored = sum(gradient is not None and bool(gradient.ne(0).any()) for gradient in gradients)
+    return scored >= (2 if run.spots else 1)
 
 
 def _classifier_convolution(model: nn.Module, run: _DryRun) -> int | None:
