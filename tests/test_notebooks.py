@@ -86,7 +86,7 @@ FACTS: dict[str, list[str]] = {
         "probe 0 image logged at steps [0, 10, 19, 20, 30, 38]",
     ],
     "10_units.ipynb": [
-        "300 photos",
+        "150 photos",
         "optimised images above every photo: 4 of 4",
         "explained at blocks.2",
     ],
