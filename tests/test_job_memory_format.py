@@ -1,7 +1,8 @@
 """The folder job hands the model channels-last images on a CPU unless told otherwise
 (``channels_last=None``, its default), and contiguous ones from the first batch on if the
 model fails on channels-last ones, with one warning; the maps are the contiguous run's.
-Video clips stay as they come."""
+Video clips stay as they come. The unit scan chooses the same way, through the same
+``ChannelsLastChoice``."""
 
 from __future__ import annotations
 
@@ -145,4 +146,37 @@ def test_video_clips_stay_as_they_come(synthetic_classifier):
         explainer = _BatchExplainer(
             synthetic_classifier.model, None, "gradcam", None, None, {"channels_last": None}, task
         )
-        assert explainer.options["channels_last"] is chosen
+        assert explainer.channels_last.value is chosen
+
+
+class _FlattensFirst(nn.Module):
+    """Reshapes its input with ``view``, which channels-last images cannot take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        flat = images.view(len(images), -1)
+        return self.conv(flat.view_as(images)).mean((2, 3))
+
+
+def test_a_unit_scan_falls_back_to_contiguous_images_with_one_warning():
+    from conftest import TensorImages
+
+    from camviz.core.targets.unit import Unit
+    from camviz.units.scan import top_examples
+
+    model = _FlattensFirst()
+    images = TensorImages(torch.rand(10, 3, 8, 8, generator=torch.Generator().manual_seed(0)))
+    unit = Unit("conv", channel=[0, 1])
+    with pytest.warns(UserWarning, match="chosen on a CPU, did not work") as caught:
+        chosen = top_examples(model, images, unit, k=3, batch_size=4)
+    assert len([w for w in caught if "did not work" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        contiguous = top_examples(model, images, unit, k=3, batch_size=4, channels_last=False)
+    for mine, theirs in zip(chosen, contiguous, strict=True):
+        assert mine.examples == theirs.examples
+    with pytest.raises(RuntimeError, match="view size"):
+        top_examples(model, images, unit, k=3, batch_size=4, channels_last=True)

@@ -164,8 +164,9 @@ def _numbers(text: str) -> tuple[float, ...]:
 
 def add_precision_options(parser: argparse.ArgumentParser, *, job: bool = False) -> None:
     """``--precision`` and ``--channels-last`` (see :mod:`camviz.core.precision`); for the
-    folder job (``job=True``) also ``--no-channels-last``, since it chooses channels-last
-    inputs on a CPU by itself (``channels_last=None``)."""
+    jobs over many images (``job=True``: the folder job, the unit scan) also
+    ``--no-channels-last``, since they choose channels-last inputs on a CPU by themselves
+    (``channels_last=None``)."""
     parser.add_argument(
         "--precision",
         choices=("fp32", "bf16", "fp16"),

@@ -54,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="where the model runs (cpu, cuda, cuda:1); by default this process's GPU if any",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_precision_options(parser)
+    add_precision_options(parser, job=True)
     parser.set_defaults(run=run)
 
 

@@ -22,6 +22,9 @@ without AVX-512 BF16 / AMX (or fp16 support), PyTorch emulates it, and a ResNet-
 pass runs 5 to 30 times *slower* than in float32. Such a request is refused with one line
 (:func:`check_precision`) rather than run silently slowly; setting the environment variable
 ``CAMVIZ_EMULATED_PRECISION=1`` runs it anyway, with a warning (to measure its accuracy).
+
+The jobs over many images (the folder job, the unit scan) take ``channels_last=None`` to
+mean "channels-last on a CPU, unless the model fails on them" (:class:`ChannelsLastChoice`).
 """
 
 from __future__ import annotations
@@ -29,17 +32,19 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
-from typing import Any, Literal
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
 
-from camviz.core.errors import CamvizError
+from camviz.core.errors import CamvizError, first_line
 from camviz.core.inputs import model_device
 from camviz.core.modelstate import ForwardPrecision, changed
 
 Precision = Literal["fp32", "bf16", "fp16"]
+
+_Result = TypeVar("_Result")
 
 #: The dtype of each precision's autocast (``None``: no autocast).
 DTYPES: dict[str, torch.dtype | None] = {
@@ -142,3 +147,57 @@ def at_least_fp32(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: at_least_fp32(item) for key, item in value.items()}
     return value
+
+
+class ChannelsLastChoice:
+    """Whether a job's batches go to the model channels-last: as asked, or, when asked
+    ``None``, chosen for image batches on a CPU, whose convolutions over a batch of
+    channels-last images run up to three times faster (see the README's figures).
+
+    A chosen (not asked-for) channels-last is on trial for the first batch: a model that
+    calls ``.view`` on a convolution's output cannot take it, so if that batch fails and
+    succeeds on contiguous inputs, the rest of the job gets contiguous ones, and one
+    warning says so.
+
+    Args:
+        asked: ``True``, ``False``, or ``None`` to choose.
+        device: Where the model runs.
+        images: Whether the batches are images (``(N, C, H, W)``); volumes and clips stay
+            as they come unless asked (3-D channels-last convolutions were not measured).
+    """
+
+    def __init__(self, asked: bool | None, device: torch.device, *, images: bool = True) -> None:
+        self.value = (device.type == "cpu" and images) if asked is None else asked
+        self.on_trial = asked is None and self.value
+
+    def run(
+        self, attempt: Callable[[bool], _Result], failed: Callable[[BaseException], bool]
+    ) -> _Result:
+        """``attempt(channels_last)`` for one batch. On trial, an error that ``failed``
+        accepts (the model failed on these inputs) is tried once more on contiguous inputs;
+        if that fails too, the memory format was not the cause: channels-last stays and the
+        first error is raised."""
+        if not self.on_trial:
+            return attempt(self.value)
+        self.on_trial = False
+        try:
+            return attempt(True)
+        except Exception as error:  # ``failed`` tells which to retry
+            if not failed(error):
+                raise
+            first = error
+        try:
+            result = attempt(False)
+        except Exception as again:
+            if not failed(again):
+                raise
+        else:
+            self.value = False
+            warnings.warn(
+                f"channels-last inputs, chosen on a CPU, did not work: {first_line(first)}; "
+                "the model gets contiguous ones instead (--no-channels-last or "
+                "channels_last=False asks for them from the start)",
+                stacklevel=3,
+            )
+            return result
+        raise first

@@ -49,6 +49,7 @@ from camviz.core.errors import CamvizError, ModelError, NonFiniteError, ZeroMapW
 from camviz.core.inputs import model_device
 from camviz.core.layers import Layer
 from camviz.core.memory import is_out_of_memory
+from camviz.core.precision import ChannelsLastChoice
 from camviz.core.targets import Target, as_logits
 from camviz.io.files import not_a_regular_file
 from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
@@ -453,12 +454,9 @@ class _BatchExplainer:
         self.task_options = task_options or TaskOptions()
         self.device = model_device(network) or torch.device("cpu")
         self.explained_any = False  # whether an input was explained yet
-        # channels_last=None: channels-last images on a CPU, until the model fails on them
-        # (video clips stay as they come: 3-D channels-last convolutions were not measured).
-        automatic = options.get("channels_last", False) is None
-        self.trying_channels_last = automatic and self.device.type == "cpu" and task != "video"
-        if automatic:
-            options = {**options, "channels_last": self.trying_channels_last}
+        options = dict(options)
+        asked = options.pop("channels_last", False)
+        self.channels_last = ChannelsLastChoice(asked, self.device, images=task != "video")
         self.options = options
 
     def __call__(self, samples: list[_Sample], items: list[Item] | None) -> list[ImageResult]:
@@ -466,15 +464,13 @@ class _BatchExplainer:
             return []
         started = time.perf_counter()
         try:
-            explained = self._explained(samples)
+            explained = self.channels_last.run(
+                lambda channels_last: self._explained(samples, channels_last), belongs_to_input
+            )
         except _FAILURES as error:
             if not belongs_to_input(error):
                 raise  # a bug of camviz keeps its traceback: it is no row of an input
-            first = self.trying_channels_last and not self.explained_any
-            again = self._contiguous(samples, error) if first else None
-            if again is None:
-                return self._retried(samples, items, error)
-            explained = again
+            return self._retried(samples, items, error)
         self.explained_any = True
         share = (time.perf_counter() - started) / len(samples)
         results = []
@@ -490,7 +486,7 @@ class _BatchExplainer:
                 )
         return results
 
-    def _explained(self, samples: list[_Sample]) -> list[tuple[Group, Any]]:
+    def _explained(self, samples: list[_Sample], channels_last: bool) -> list[tuple[Group, Any]]:
         """Each group of the batch of ``samples`` with its explanation (``None``: nothing to
         explain)."""
         inputs = [sample.inputs for sample in samples if sample.inputs is not None]
@@ -501,33 +497,7 @@ class _BatchExplainer:
             batch = torch.stack([tensor.to(self.device, non_blocking=True) for tensor in inputs])
         categories = self.categories or []
         groups = choosing.groups(self.task, len(batch), self.target, categories, self.task_options)
-        return [(group, self._explain(batch, group)) for group in groups]
-
-    def _contiguous(
-        self, samples: list[_Sample], error: BaseException
-    ) -> list[tuple[Group, Any]] | None:
-        """The explanations of the first batch on contiguous inputs, after it failed on the
-        channels-last ones that were chosen, not asked for (a model that calls ``.view`` on a
-        convolution's output cannot take them): then the rest of the run gets contiguous
-        inputs too, and one warning says so. ``None`` if the batch fails on those as well:
-        the memory format was not the cause, and channels-last stays."""
-        self.trying_channels_last = False
-        chosen = self.options
-        self.options = {**chosen, "channels_last": False}
-        try:
-            explained = self._explained(samples)
-        except _FAILURES as again:
-            if not belongs_to_input(again):
-                raise
-            self.options = chosen
-            return None
-        warnings.warn(
-            f"channels-last inputs, chosen on a CPU, did not work: {first_line(error)}; "
-            "the model gets contiguous ones instead (--no-channels-last or "
-            "channels_last=False asks for them from the start)",
-            stacklevel=3,
-        )
-        return explained
+        return [(group, self._explain(batch, group, channels_last)) for group in groups]
 
     def _retried(
         self, samples: list[_Sample], items: list[Item] | None, error: BaseException
@@ -543,7 +513,7 @@ class _BatchExplainer:
             raise error
         return [failed(samples[0], _reason(error), items)]
 
-    def _explain(self, batch: torch.Tensor, group: Group) -> Any:
+    def _explain(self, batch: torch.Tensor, group: Group, channels_last: bool) -> Any:
         """The explanation of one group's samples; ``None`` for one with nothing to explain."""
         if group.reason is not None:
             return None
@@ -552,7 +522,13 @@ class _BatchExplainer:
             # The rows say which maps are all zero (``empty``), once per map, not per batch.
             warnings.simplefilter("ignore", ZeroMapWarning)
             return explain(
-                self.network, inputs, self.method, self.layer, group.target, **self.options
+                self.network,
+                inputs,
+                self.method,
+                self.layer,
+                group.target,
+                channels_last=channels_last,
+                **self.options,
             )
 
     def _logits(self, explanation: Any, count: int) -> torch.Tensor:

@@ -77,7 +77,7 @@ class UnitJob:
     k: int
     statistic: Statistic
     precision: Precision = "fp32"
-    channels_last: bool = False
+    channels_last: bool | None = None
 
     def settings(self, loaded: LoadedModel) -> dict[str, Any]:
         return {
@@ -105,7 +105,7 @@ def scan_units(
     workers: int = 0,
     progress: bool | None = False,
     precision: Precision = "fp32",
-    channels_last: bool = False,
+    channels_last: bool | None = None,
 ) -> dict[str, Any]:
     """Scan the inputs for the top images of ``layer``'s channels and draw them.
 
@@ -120,8 +120,9 @@ def scan_units(
         batch_size: Images per forward pass.
         workers: DataLoader processes that decode and preprocess.
         progress: A progress bar on stderr (``None``: when it is a terminal).
-        precision, channels_last: How the scan's passes run (see :func:`camviz.explain`);
-            the pictures' maps are explained in float32.
+        precision, channels_last: How the scan's passes run (see :func:`camviz.explain`;
+            ``channels_last=None`` as in :func:`camviz.top_examples`); the pictures' maps
+            are explained in float32.
 
     Returns:
         The content of ``units.json``.
@@ -141,7 +142,7 @@ def scan_units(
     picked = parse_channels(channels) if isinstance(channels, str) else channels
     picked = range(count) if picked is None else picked
     Unit(layer, channel=list(picked)).maps(torch.zeros(1, count, 1, 1))  # in range, or one line
-    model_precision(loaded.model, precision, channels_last)  # refused before any file
+    model_precision(loaded.model, precision, bool(channels_last))  # refused before any file
     job = UnitJob(layer, tuple(picked), k, statistic, precision, channels_last)
     settings = job.settings(loaded)
     with distributed.session() as context, lock.locked(out, context):

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from camviz.core.errors import CamvizError, first_line
 from camviz.core.inputs import as_inputs, model_device
 from camviz.core.modelstate import eval_mode, exclusive, no_grad
-from camviz.core.precision import Precision, model_precision
+from camviz.core.precision import ChannelsLastChoice, Precision, model_precision
 from camviz.core.targets.unit import Unit, as_units
 from camviz.io.images import PathLike, Preprocess
 from camviz.io.models import LoadedModel
@@ -67,7 +67,7 @@ def top_examples(
     workers: int = 0,
     progress: bool | None = False,
     precision: Precision = "fp32",
-    channels_last: bool = False,
+    channels_last: bool | None = None,
 ) -> list[UnitExamples]:
     """The ``k`` images of ``source`` that excite each unit most, in one pass.
 
@@ -94,7 +94,9 @@ def top_examples(
         progress: A progress bar on stderr (``None``: when stderr is a terminal).
         precision: ``"fp32"``, or ``"bf16"``/``"fp16"`` autocast for the passes (the
             statistics are compared in float32); see :func:`camviz.explain`.
-        channels_last: Channels-last inputs for the model.
+        channels_last: Channels-last inputs for the model; ``None`` (the default) chooses
+            them for images on a CPU, where a batch's convolutions run up to 3x faster,
+            unless the model fails on them (then one warning, and contiguous inputs).
 
     Returns:
         One :class:`UnitExamples` per unit (per channel), in the order given; each holds up
@@ -155,6 +157,9 @@ class UnitScan:
         k: Images kept per unit.
         statistic: ``"max"`` or ``"mean"``.
         precision, channels_last: How the passes run (see :func:`top_examples`).
+
+    Attributes:
+        memory_format: Whether the batches go channels-last, chosen on the first batch.
     """
 
     def __init__(
@@ -164,7 +169,7 @@ class UnitScan:
         k: int,
         statistic: Statistic,
         precision: Precision = "fp32",
-        channels_last: bool = False,
+        channels_last: bool | None = None,
     ) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise CamvizError(f"k must be a positive whole number, not {k!r}")
@@ -175,7 +180,8 @@ class UnitScan:
         self.statistic = statistic
         self.precision = precision
         self.channels_last = channels_last
-        model_precision(model, precision, channels_last)  # an unknown or emulated one: now
+        self.memory_format: ChannelsLastChoice | None = None  # as the first batch tells it
+        model_precision(model, precision, bool(channels_last))  # an unknown or emulated one: now
         self.heaps = TopHeaps(len(self.units), k)
 
     def add(self, positions: Sequence[int], batch: torch.Tensor) -> None:
@@ -188,17 +194,29 @@ class UnitScan:
         if any(unit.reading is None for unit in self.units):  # as the first batch tells it
             inputs = as_inputs(batch, self.model)
             self.units = [unit.prepare(self.model, inputs) for unit in self.units]
+        if self.memory_format is None:
+            device = model_device(self.model) or torch.device("cpu")
+            images = batch.dim() == 4
+            self.memory_format = ChannelsLastChoice(self.channels_last, device, images=images)
         spots = list(dict.fromkeys(unit.layer for unit in self.units))
-        with (
-            exclusive(self.model),
-            eval_mode(self.model),
-            model_precision(self.model, self.precision, self.channels_last),
-            no_grad(),
-        ):
-            tensors, _ = outputs_at(self.model, batch, spots)
+        tensors = self.memory_format.run(
+            lambda channels_last: self._outputs(batch, spots, channels_last),
+            lambda error: isinstance(error, RuntimeError),  # the model failed on the batch
+        )
         views = {spot: spatial_view(self.model, spot, tensors[spot], batch) for spot in tensors}
         read = [_statistic(unit, views[unit.layer], self.statistic) for unit in self.units]
         return torch.stack([r[0] for r in read], dim=1), torch.stack([r[1] for r in read], dim=1)
+
+    def _outputs(
+        self, batch: torch.Tensor, spots: Sequence[str], channels_last: bool
+    ) -> dict[str, torch.Tensor]:
+        with (
+            exclusive(self.model),
+            eval_mode(self.model),
+            model_precision(self.model, self.precision, channels_last),
+            no_grad(),
+        ):
+            return outputs_at(self.model, batch, spots)[0]
 
     def result(self, paths: Sequence[str] | None = None) -> list[UnitExamples]:
         """Each unit with its kept images, best first."""
