@@ -14,18 +14,14 @@ import io
 import json
 from types import SimpleNamespace
 
-import lightning.pytorch as lightning
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from conftest import tiny_cnn
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from PIL import Image
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import camviz
-from camviz.integrations.lightning import CamvizCallback
 
 LAYER = "net.features.3"  # inside the LightningModule
 KEY = f"camviz/gradcam/{LAYER}/probe"
@@ -42,30 +38,53 @@ def probes() -> torch.Tensor:
     return torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(5))
 
 
-class Classifier(lightning.LightningModule):
-    """The tiny CNN with SGD; records whether each validation batch ran in inference mode."""
+@pytest.fixture(scope="module")
+def lightning():
+    """Lightning's package, imported by these tests only: its import takes seconds, which
+    every pytest-xdist worker would pay at collection if it were imported at the top (so
+    would camviz's callback, a subclass of Lightning's, :func:`camviz_callback`)."""
+    import lightning.pytorch
+    import lightning.pytorch.loggers
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = tiny_cnn()
-        self.inference_mode: list[bool] = []
+    return lightning.pytorch
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.net(images)
 
-    def training_step(self, batch, batch_index):
-        images, labels = batch
-        return F.cross_entropy(self(images), labels)
+def camviz_callback(**options):
+    """``CamvizCallback(probes(), layers=LAYER, **options)``."""
+    from camviz.integrations.lightning import CamvizCallback
 
-    def validation_step(self, batch, batch_index):
-        self.inference_mode.append(torch.is_inference_mode_enabled())
-        images, labels = batch
-        self.log("loss", F.cross_entropy(self(images), labels))
+    return CamvizCallback(probes(), layers=LAYER, **options)
 
-    test_step = validation_step
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.5)
+def classifier(framework):
+    """The tiny CNN with SGD as a LightningModule of ``framework`` (``lightning.pytorch`` or
+    the older ``pytorch_lightning``); records whether each validation batch ran in
+    inference mode."""
+
+    class Classifier(framework.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = tiny_cnn()
+            self.inference_mode: list[bool] = []
+
+        def forward(self, images: torch.Tensor) -> torch.Tensor:
+            return self.net(images)
+
+        def training_step(self, batch, batch_index):
+            images, labels = batch
+            return F.cross_entropy(self(images), labels)
+
+        def validation_step(self, batch, batch_index):
+            self.inference_mode.append(torch.is_inference_mode_enabled())
+            images, labels = batch
+            self.log("loss", F.cross_entropy(self(images), labels))
+
+        test_step = validation_step
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    return Classifier()
 
 
 def batches() -> torch.utils.data.DataLoader:
@@ -75,7 +94,7 @@ def batches() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=4)
 
 
-def trainer(callback, logger, framework=lightning, **options):
+def trainer(framework, callback, logger, **options):
     settings = {
         "accelerator": "cpu",
         "devices": 1,
@@ -88,16 +107,19 @@ def trainer(callback, logger, framework=lightning, **options):
     return framework.Trainer(logger=logger, callbacks=[callback], **settings)
 
 
-def events(log_dir) -> EventAccumulator:
+def events(log_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     accumulator = EventAccumulator(str(log_dir), size_guidance={"images": 0, "scalars": 0})
     accumulator.Reload()
     return accumulator
 
 
-def test_fit_logs_every_n_steps_and_at_each_validation_epoch_end(tmp_path):
-    callback = CamvizCallback(probes(), layers=LAYER, every_n_steps=3)
-    run = trainer(callback, TensorBoardLogger(tmp_path, name="fit"), max_epochs=2)
-    model = Classifier()
+def test_fit_logs_every_n_steps_and_at_each_validation_epoch_end(lightning, tmp_path):
+    callback = camviz_callback(every_n_steps=3)
+    logger = lightning.loggers.TensorBoardLogger(tmp_path, name="fit")
+    run = trainer(lightning, callback, logger, max_epochs=2)
+    model = classifier(lightning)
     run.fit(model, batches(), batches())
     # 2 epochs of 2 steps: the start (0), validation ends (2, 4) and step 3.
     steps = [0, 2, 3, 4]
@@ -119,10 +141,10 @@ def test_fit_logs_every_n_steps_and_at_each_validation_epoch_end(tmp_path):
 
 
 @pytest.mark.parametrize("stage", ["validate", "test"])
-def test_validate_and_test_log_maps_under_inference_mode(tmp_path, stage):
-    callback = CamvizCallback(probes(), layers=LAYER)
-    run = trainer(callback, TensorBoardLogger(tmp_path, name=stage))
-    model = Classifier()
+def test_validate_and_test_log_maps_under_inference_mode(lightning, tmp_path, stage):
+    callback = camviz_callback()
+    run = trainer(lightning, callback, lightning.loggers.TensorBoardLogger(tmp_path, name=stage))
+    model = classifier(lightning)
     getattr(run, stage)(model, batches(), verbose=False)
     assert model.inference_mode and all(model.inference_mode)
     assert [record.step for record in callback.history] == [0]
@@ -133,17 +155,18 @@ def test_validate_and_test_log_maps_under_inference_mode(tmp_path, stage):
     assert torch.equal(callback.history[0].maps[f"gradcam/{LAYER}"].heatmaps, expected)
 
 
-def test_the_history_is_saved_in_checkpoints_and_continued_after_a_resume(tmp_path):
-    first = CamvizCallback(probes(), layers=LAYER, every_n_steps=2, on_validation_epoch_end=False)
-    run = trainer(first, CSVLogger(tmp_path, name="csv"), max_steps=2)
-    run.fit(Classifier(), batches())
+def test_the_history_is_saved_in_checkpoints_and_continued_after_a_resume(lightning, tmp_path):
+    csv_logger = lightning.loggers.CSVLogger
+    first = camviz_callback(every_n_steps=2, on_validation_epoch_end=False)
+    run = trainer(lightning, first, csv_logger(tmp_path, name="csv"), max_steps=2)
+    run.fit(classifier(lightning), batches())
     run.save_checkpoint(tmp_path / "two.ckpt")
     saved = torch.load(tmp_path / "two.ckpt", weights_only=True)["callbacks"]["CamvizCallback"]
     assert [entry["step"] for entry in saved["history"]] == [0, 2]
 
-    resumed = CamvizCallback(probes(), layers=LAYER, every_n_steps=2, on_validation_epoch_end=False)
-    run = trainer(resumed, CSVLogger(tmp_path, name="csv", version=0), max_steps=4)
-    run.fit(Classifier(), batches(), ckpt_path=tmp_path / "two.ckpt")
+    resumed = camviz_callback(every_n_steps=2, on_validation_epoch_end=False)
+    run = trainer(lightning, resumed, csv_logger(tmp_path, name="csv", version=0), max_steps=4)
+    run.fit(classifier(lightning), batches(), ckpt_path=tmp_path / "two.ckpt")
     assert [record.step for record in resumed.history] == [0, 2, 4]
     series = f"gradcam/{LAYER}"
     before, after = first.history[0].maps[series].heatmaps, resumed.history[-1].maps[series]
@@ -161,10 +184,10 @@ def test_the_history_is_saved_in_checkpoints_and_continued_after_a_resume(tmp_pa
     ]
 
 
-def test_ranks_other_than_zero_skip_at_once():
-    callback = CamvizCallback(probes(), layers=LAYER, every_n_steps=1)
+def test_ranks_other_than_zero_skip_at_once(lightning):
+    callback = camviz_callback(every_n_steps=1)
     elsewhere = SimpleNamespace(is_global_zero=False, global_step=0, sanity_checking=False)
-    model = Classifier()
+    model = classifier(lightning)
     callback.on_train_batch_end(elsewhere, model, None, None, 0)
     callback.on_validation_epoch_end(elsewhere, model)
     assert callback.history == []
@@ -176,24 +199,9 @@ def test_ranks_other_than_zero_skip_at_once():
 def test_the_older_pytorch_lightning_namespace_drives_the_same_callback(tmp_path):
     import pytorch_lightning
 
-    class OldClassifier(pytorch_lightning.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = tiny_cnn()
-
-        def forward(self, images: torch.Tensor) -> torch.Tensor:
-            return self.net(images)
-
-        def training_step(self, batch, batch_index):
-            images, labels = batch
-            return F.cross_entropy(self(images), labels)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.5)
-
-    callback = CamvizCallback(probes(), layers=LAYER, every_n_steps=1)
+    callback = camviz_callback(every_n_steps=1)
     logger = pytorch_lightning.loggers.TensorBoardLogger(tmp_path, name="old")
-    run = trainer(callback, logger, pytorch_lightning, max_steps=2)
-    run.fit(OldClassifier(), batches())
+    run = trainer(pytorch_lightning, callback, logger, max_steps=2)
+    run.fit(classifier(pytorch_lightning), batches())
     assert [record.step for record in callback.history] == [0, 1, 2]
     assert [image.step for image in events(run.logger.log_dir).Images(f"{KEY}0")] == [0, 1, 2]
