@@ -44,7 +44,6 @@ def lightning():
     every pytest-xdist worker would pay at collection if it were imported at the top (so
     would camviz's callback, a subclass of Lightning's, :func:`camviz_callback`)."""
     import lightning.pytorch
-    import lightning.pytorch.loggers
 
     return lightning.pytorch
 
