@@ -143,6 +143,23 @@ def test_writer_threads_run_torch_on_one_thread_and_leave_the_callers_setting():
     assert torch.get_num_threads() == before and later == [before]
 
 
+@pytest.mark.parametrize("size", [(1, 1), (5, 7), (400, 300)])
+def test_overlay_pngs_hold_the_pixels_and_the_mark_for_every_reader(tmp_path, size):
+    import cv2
+    from torchvision.io import decode_png
+
+    from camviz.pipeline.encoders import MARK, save_png
+
+    pixels = np.random.default_rng(sum(size)).integers(0, 256, (size[1], size[0], 3), np.uint8)
+    save_png(Image.fromarray(pixels), tmp_path / "overlay.png")
+    with Image.open(tmp_path / "overlay.png") as image:
+        assert np.array_equal(np.asarray(image), pixels) and image.info["Software"] == MARK
+    read = cv2.imread(str(tmp_path / "overlay.png"), cv2.IMREAD_COLOR)
+    assert np.array_equal(read[..., ::-1], pixels)
+    data = torch.frombuffer(bytearray((tmp_path / "overlay.png").read_bytes()), dtype=torch.uint8)
+    assert torch.equal(decode_png(data).permute(1, 2, 0), torch.from_numpy(pixels))
+
+
 def test_heatmap_files_hold_the_values(tmp_path):
     heatmap = torch.tensor([[0.0, 0.5], [1.0, 0.25]])
     save_heatmap(heatmap, tmp_path / "map.png")

@@ -19,9 +19,9 @@ import zlib
 from collections.abc import Collection
 from pathlib import Path
 
-import cv2
 import numpy as np
 import torch
+from isal import isal_zlib
 from PIL import Image, PngImagePlugin
 
 from camviz.io.atomic import atomic_write
@@ -33,26 +33,19 @@ from camviz.pipeline.naming import VIDEO_SUFFIX, output_owners
 #: What marks a file as written by a camviz folder job.
 MARK = "camviz explain"
 
-# How overlays are PNG-encoded (by OpenCV, with libpng): zlib level 1, Huffman coding alone,
-# and every row "sub"-filtered (each byte minus the one of the pixel to its left). An overlay
-# is a photo, in whose filtered rows LZ77 finds few matches, and trying five filters per row
-# (Pillow's and libpng's default) costs more than it saves: a 400x300 overlay encoded in
-# 4 ms where Pillow's level 1 took 11 ms, 8% larger. Lossless either way. OpenCV before
-# 4.12 has no filter option and uses libpng's choice (the same pixels, a little slower).
-_PNG_OPTIONS = [
-    cv2.IMWRITE_PNG_COMPRESSION,
-    1,
-    cv2.IMWRITE_PNG_STRATEGY,
-    cv2.IMWRITE_PNG_STRATEGY_HUFFMAN_ONLY,
-]
-if hasattr(cv2, "IMWRITE_PNG_FILTER"):
-    _PNG_OPTIONS += [cv2.IMWRITE_PNG_FILTER, cv2.IMWRITE_PNG_FILTER_SUB]
+# How overlays are PNG-encoded: every row "sub"-filtered (each byte minus the one of the
+# pixel to its left), then deflated by ISA-L at its level 1. An overlay is a photo, in whose
+# filtered rows LZ77 finds few matches, so trying five filters per row (Pillow's and
+# libpng's default) costs more than it saves, and ISA-L's fast deflate makes a file as small
+# as zlib's Huffman coding alone in a third of the time: a 400x300 overlay in 1.9 ms and
+# 193 KiB, against 5.3 ms and 190 KiB with OpenCV's libpng at zlib level 1, Huffman only,
+# and 11 ms with Pillow's level 1. On a CPU each of those milliseconds is the model's.
+_SUB_FILTER = 1
+_ISAL_LEVEL = 1
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # JPEG quality of panels: at 90 the picture is indistinguishable from the PNG's.
 _PANEL_QUALITY = 90
-
-# A PNG file: its signature, then the IHDR chunk (4 bytes length, 4 type, 13 data, 4 CRC).
-_PNG_HEADER = 8 + 4 + 4 + 13 + 4
 
 
 def _png_info() -> PngImagePlugin.PngInfo:
@@ -63,20 +56,33 @@ def _png_info() -> PngImagePlugin.PngInfo:
 
 def save_png(image: Image.Image, path: Path) -> None:
     """Write an RGB picture (an overlay, a montage) as a PNG, atomically and marked."""
-    pixels = cv2.cvtColor(np.asarray(as_rgb(image)), cv2.COLOR_RGB2BGR)  # OpenCV's order
-    encoded, png = cv2.imencode(".png", pixels, _PNG_OPTIONS)
-    if not encoded:
-        raise RuntimeError(f"OpenCV could not encode {path.name} as a PNG")
-    data = png.tobytes()
     with atomic_write(path) as file:
-        # The mark as a tEXt chunk right after the header, where Pillow's would be.
-        file.write(data[:_PNG_HEADER] + _text_chunk("Software", MARK) + data[_PNG_HEADER:])
+        file.write(png_bytes(np.asarray(as_rgb(image))))
 
 
-def _text_chunk(keyword: str, text: str) -> bytes:
-    """A PNG tEXt chunk: length, type, ``keyword``, a zero byte, ``text``, and the CRC."""
-    body = b"tEXt" + keyword.encode("latin-1") + b"\0" + text.encode("latin-1")
-    return struct.pack(">I", len(body) - 4) + body + struct.pack(">I", zlib.crc32(body))
+def png_bytes(pixels: np.ndarray) -> bytes:
+    """An 8-bit RGB PNG of ``(H, W, 3)`` uint8 ``pixels``, marked (comment above)."""
+    height, width, _ = pixels.shape
+    rows = pixels.reshape(height, width * 3)
+    filtered = np.empty((height, 1 + width * 3), np.uint8)
+    filtered[:, 0] = _SUB_FILTER
+    filtered[:, 1:4] = rows[:, :3]
+    np.subtract(rows[:, 3:], rows[:, :-3], out=filtered[:, 4:])  # modulo 256, as PNG's Sub
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
+    return b"".join(
+        (
+            _PNG_SIGNATURE,
+            _chunk(b"IHDR", header),
+            _chunk(b"tEXt", b"Software\0" + MARK.encode("latin-1")),
+            _chunk(b"IDAT", isal_zlib.compress(filtered.data, _ISAL_LEVEL)),
+            _chunk(b"IEND", b""),
+        )
+    )
+
+
+def _chunk(kind: bytes, body: bytes) -> bytes:
+    """A PNG chunk: the length of ``body``, ``kind``, ``body``, and the CRC of the two."""
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
 
 def save_jpeg(image: Image.Image, path: Path) -> None:
