@@ -10,23 +10,24 @@ Run by hand (never in the tests), on a quiet machine::
     python benchmarks/bench_throughput.py --allocator glibc   # glibc's defaults throughout
 
 The images are crops and mirror images of the shipped photos, all 4:3 (so every batch is
-full), written to a temporary folder. Every variant reads them with the same DataLoader
-settings (``--workers`` processes that decode with :func:`camviz.io.images.load_image` and
-apply the model's preprocessing) and the same batch size:
+full), written to a temporary folder. Every variant reads them the same way (decoded with
+:func:`camviz.io.images.load_image`, then the model's preprocessing), in the same batch
+size:
 
 * ``inference``: the model alone in fp32, under ``torch.inference_mode()``, on torch's
-  threads: the reference, a plain loop as one writes it;
-* ``inference, N thread(s) as the job``: the same on the threads the folder job gives the
-  model by default (:mod:`camviz.pipeline.threads`), where that differs;
+  threads, reading through a DataLoader with ``--workers`` processes: the reference, a plain
+  loop as one writes it;
 * ``explain, fp32``: :func:`camviz.pipeline.job.explain_files` with the default outputs
   (overlay PNG and panel JPEG per image, the manifest), as ``camviz explain FOLDER`` runs
-  (on a CPU, with the channels-last inputs it chooses there);
+  (on a CPU: no DataLoader workers, its writer threads reading the images between the
+  model's passes, and the channels-last inputs it chooses there);
 * ``explain, bf16 + channels-last``: the same with ``--precision bf16 --channels-last``,
   where the CPU computes bf16 natively (it is refused where it would only be emulated);
 * with ``--all`` also ``inference, channels-last`` (the plain loop with channels-last
-  inputs), ``explain, fp32, contiguous`` (``--no-channels-last``), each ``explain`` on
-  torch's threads where the job's default differs, ``explain_dataset`` (Grad-CAM maps, held
-  in memory) and ``explain, overlays`` (``camviz explain --no-panel``).
+  inputs), ``explain, fp32, contiguous`` (``--no-channels-last``), the job with
+  ``--workers`` DataLoader processes beside the model (``camviz explain --workers N``, the
+  model on one thread fewer), ``explain_dataset`` (Grad-CAM maps, held in memory, read by
+  the DataLoader) and ``explain, overlays`` (``camviz explain --no-panel``).
 
 Each run of a variant is a fresh Python process that sets the allocator and the threads,
 loads the model, and then times the variant over the whole folder, as a user's process runs
@@ -77,7 +78,7 @@ from camviz.io.pictures import overlay_and_panel
 from camviz.pipeline.dataset import explain_dataset
 from camviz.pipeline.encoders import save_jpeg, save_png
 from camviz.pipeline.job import Outputs, explain_files
-from camviz.pipeline.threads import model_threads, running_on
+from camviz.pipeline.threads import default_workers, model_threads, running_on
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
@@ -317,7 +318,7 @@ def main() -> None:
 
     print(
         f"{camviz.io.models.load().name}, {args.images} images of 400x300 (224x299 after "
-        f"preprocessing), batch {args.batch}, {args.workers} DataLoader workers, "
+        f"preprocessing), batch {args.batch}, {args.workers} DataLoader workers for inference, "
         f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, torch "
         f"{torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
         f"allocator {args.allocator}, each run a fresh process, median of {args.repeat} rounds\n"
@@ -343,15 +344,10 @@ def variant_specs(
         "threads": None,
         "precision": {},
     }
-    threads = torch.get_num_threads()
-    job_threads = model_threads(None, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    # The job as `camviz explain FOLDER` runs it: its writers read between the passes.
+    job = {**base, "workers": default_workers(cpu)}
     variants = {"inference": {**base, "kind": "inference"}}
-    if job_threads != threads:  # the same cores left to the loader as the job leaves
-        variants[f"inference, {job_threads} thread(s) as the job"] = {
-            **base,
-            "kind": "inference",
-            "threads": job_threads,
-        }
     if args.all:
         variants["inference, channels-last"] = {
             **base,
@@ -364,17 +360,16 @@ def variant_specs(
     if reduced:
         precisions["bf16 + channels-last"] = reduced
     for name, precision in precisions.items():
-        variants[f"explain, {name}"] = {**base, "kind": "files", "precision": precision}
-        if args.all and job_threads != threads and name != "fp32, contiguous":
-            variants[f"explain, {name}, {threads} threads"] = {
-                **base,
-                "kind": "files",
-                "precision": precision,
-                "threads": threads,
-            }
+        variants[f"explain, {name}"] = {**job, "kind": "files", "precision": precision}
     if args.all:
+        if args.workers:
+            threads = model_threads(None, cpu, args.workers)
+            beside = (
+                f"explain, fp32, {args.workers} workers beside the model on {threads} thread(s)"
+            )
+            variants[beside] = {**base, "kind": "files"}
         variants["explain_dataset"] = {**base, "kind": "maps"}
-        variants["explain, overlays"] = {**base, "kind": "overlays"}
+        variants["explain, overlays"] = {**job, "kind": "overlays"}
     return variants
 
 

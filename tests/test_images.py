@@ -402,3 +402,31 @@ def test_load_batch_refuses_images_of_different_shapes(tmp_path: Path) -> None:
 def test_load_batch_needs_a_path() -> None:
     with pytest.raises(CamvizError, match="no image paths"):
         load_batch([])
+
+
+def test_reading_on_several_threads_leaves_the_warning_state_as_it_was(tmp_path: Path) -> None:
+    # catch_warnings is process-wide; two threads inside it at once left one thread's
+    # recorder in place, and every later warning of the process went into it.
+    import threading
+
+    paths = []
+    for number in range(8):
+        path = tmp_path / f"{number}.png"
+        Image.fromarray(np.full((64, 48, 3), number * 30, np.uint8)).save(path)
+        paths.append(path)
+
+    def read_all() -> None:
+        for _ in range(10):
+            for path in paths:
+                load_image(path)
+
+    with pytest.warns(UserWarning, match="after the reads") as caught:
+        filters, show = list(warnings.filters), warnings.showwarning
+        threads = [threading.Thread(target=read_all) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert warnings.filters == filters and warnings.showwarning is show
+        warnings.warn("after the reads", UserWarning, stacklevel=1)
+    assert len(caught) == 1

@@ -1,24 +1,30 @@
-"""The folder job on a CPU, in a process that keeps its freed memory (as the ``camviz``
-command's does), runs the model on one torch thread fewer than torch's setting (at least one),
-leaving a core to its DataLoader workers and writer threads; elsewhere on torch's setting;
-``threads=`` sets the number; torch's setting comes back afterwards, also when the job fails.
-Its helpers (DataLoader workers, writer threads) run at a lower priority than the model's
-thread, which keeps its own."""
+"""How the folder job shares a CPU's cores with its helpers (:mod:`camviz.pipeline.threads`).
+
+Without DataLoader workers (the default on a CPU) the writer threads take turns with the
+model: they read the image files and write the pictures between its passes, never during
+one, and the model runs on torch's setting. With workers, in a process that keeps its freed
+memory (as the ``camviz`` command's does), the model runs on one torch thread fewer than
+torch's setting (at least one), leaving a core to the workers and writers; elsewhere on
+torch's setting. ``threads=`` sets the number; torch's setting comes back afterwards, also
+when the job fails. The helpers run at a lower priority than the model's thread, which
+keeps its own."""
 
 from __future__ import annotations
 
 import os
 import platform
 import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
 from camviz.core.errors import CamvizError
-from camviz.pipeline import job, threads
+from camviz.pipeline import dataset, job, threads
 from camviz.pipeline.dataset import explain_dataset
 from camviz.pipeline.writer import Writer
 
@@ -53,9 +59,11 @@ def test_the_model_leaves_a_core_to_the_workers_and_writers(
     synthetic_classifier, make_photos, tmp_path, retained
 ):
     photos = make_photos(tmp_path / "photos", {"a.png": (32, 24), "b.png": (24, 32)})
-    seen, after = threads_seen(synthetic_classifier, photos, tmp_path / "default", 3)
+    seen, after = threads_seen(synthetic_classifier, photos, tmp_path / "turns", 3)
+    assert seen == {3} and after == 3  # the helpers wait for the pass: every core
+    seen, after = threads_seen(synthetic_classifier, photos, tmp_path / "beside", 3, workers=1)
     assert seen == ({2} if retained else {3}) and after == 3
-    seen, after = threads_seen(synthetic_classifier, photos, tmp_path / "one", 1)
+    seen, after = threads_seen(synthetic_classifier, photos, tmp_path / "one", 1, workers=1)
     assert seen == {1} and after == 1  # at least one
     seen, after = threads_seen(synthetic_classifier, photos, tmp_path / "asked", 2, threads=3)
     assert seen == {3} and after == 2
@@ -118,3 +126,104 @@ def test_the_workers_and_writers_yield_to_the_models_thread(synthetic_classifier
         for _ in range(4):
             writer.submit(lambda: seen.append(niceness()))
     assert seen == [lower] * 4 and niceness() == mine
+
+
+def test_the_writers_read_and_write_between_the_passes_never_during_one(
+    synthetic_classifier, make_photos, tmp_path, monkeypatch
+):
+    # Seven photos in batches of two: four passes, each with the helpers of the one before.
+    sizes = {f"{name}.png": (32, 24) for name in "abcdefg"}
+    photos = make_photos(tmp_path / "photos", sizes)
+    busy = [0]
+    lock = threading.Lock()
+    busy_at_a_pass: list[int] = []
+    readers: set[str] = set()
+
+    def counted(function, seconds):
+        def run(*args, **keywords):
+            with lock:
+                busy[0] += 1
+            try:
+                time.sleep(seconds)  # a write outlasts the reads queued after it
+                return function(*args, **keywords)
+            finally:
+                with lock:
+                    busy[0] -= 1
+
+        return run
+
+    read = counted(dataset._Prepared.read, 0.0)
+
+    def read_and_say_where(self, index):
+        readers.add(threading.current_thread().name)
+        return read(self, index)
+
+    monkeypatch.setattr(dataset._Prepared, "read", read_and_say_where)
+    monkeypatch.setattr(job._Job, "_write", counted(job._Job._write, 0.05))
+    handle = synthetic_classifier.model.register_forward_pre_hook(
+        lambda module, args: busy_at_a_pass.append(busy[0])
+    )
+    try:
+        summary = job.explain_files(photos, tmp_path / "out", synthetic_classifier, batch_size=2)
+    finally:
+        handle.remove()
+    assert summary["counts"]["ok"] == 7 and len(list((tmp_path / "out").glob("*.png"))) == 7
+    assert busy_at_a_pass == [0, 0, 0, 0]
+    assert readers and all(name.startswith("camviz-writer-") for name in readers)
+
+
+def test_a_videos_frames_are_read_in_order_on_the_callers_thread(
+    synthetic_classifier, make_photos, tmp_path, monkeypatch
+):
+    import cv2
+
+    video = tmp_path / "clip.mp4"
+    out = cv2.VideoWriter(str(video), cv2.VideoWriter.fourcc(*"mp4v"), 10.0, (32, 24))
+    for frame in range(4):
+        out.write(np.full((24, 32, 3), 40 * frame, np.uint8))
+    out.release()
+    photos = make_photos(tmp_path / "photos", {"a.png": (32, 24), "b.png": (24, 32)})
+    reads: list[tuple[str, int | None]] = []
+    original = dataset.ItemDataset.__getitem__
+
+    def recorded(self, index):
+        item = self.items[index]
+        reads.append((threading.current_thread().name, item.frame))
+        return original(self, index)
+
+    monkeypatch.setattr(dataset.ItemDataset, "__getitem__", recorded)
+    with Writer(threads=2) as helpers:
+        results = list(
+            explain_dataset(synthetic_classifier, [video, *photos], batch_size=3, helpers=helpers)
+        )
+    assert sorted(result.ok for result in results) == [True] * 6
+    here = threading.current_thread().name
+    frames = [frame for name, frame in reads if frame is not None]
+    assert frames == [0, 1, 2, 3] and {name for name, frame in reads if frame is not None} == {here}
+    assert all(name.startswith("camviz-writer-") for name, frame in reads if frame is None)
+
+
+def test_writer_map_gives_results_in_order_raises_a_calls_error_and_wait_waits():
+    finished: list[int] = []
+
+    def slow(value: int) -> None:
+        time.sleep(0.02)
+        finished.append(value)
+
+    with Writer(threads=3) as writer:
+        assert writer.map(lambda value: value * value, range(10)) == [v * v for v in range(10)]
+        with pytest.raises(ZeroDivisionError):
+            writer.map(lambda value: 1 / value, [2, 1, 0, 4])
+        for value in range(6):
+            writer.submit(slow, value)
+        writer.wait()
+        assert sorted(finished) == list(range(6))
+        writer.submit(slow, 6)  # a call's error is not held for submit
+    assert sorted(finished) == list(range(7))
+
+
+def test_the_cli_decodes_in_workers_only_beside_a_device():
+    assert threads.default_workers(torch.device("cpu")) == 0
+    assert threads.default_workers(None) == 0
+    expected = min(4, max(0, (os.cpu_count() or 1) - 1))
+    assert threads.default_workers(torch.device("cuda")) == expected

@@ -187,17 +187,18 @@ def _add_batches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers",
         type=worker_count,
-        default=min(4, max(0, (os.cpu_count() or 1) - 1)),
+        default=None,
         metavar="N",
-        help="processes that decode images (0: decode in the main process)",
+        help="processes that decode images (0: the writer threads decode them between the "
+        "model's passes; default: 0 on a CPU, else up to 4)",
     )
     parser.add_argument(
         "--threads",
         type=_positive,
         default=None,
         metavar="N",
-        help="torch threads of the model (default on a CPU, with Linux's glibc: one fewer "
-        "than torch's setting, leaving a core to the decoding workers and the writers)",
+        help="torch threads of the model (default: torch's setting; with --workers on a "
+        "CPU, with Linux's glibc, one fewer, leaving a core to the workers and writers)",
     )
     parser.add_argument(
         "--every",
@@ -297,9 +298,11 @@ def run(args: argparse.Namespace) -> int:
 def _settings(args: argparse.Namespace, loaded: LoadedModel) -> JobSettings:
     """The job's settings from the command line (``--similar-to`` needs the model)."""
     from camviz.cli.options import explain_settings
+    from camviz.core.inputs import model_device
     from camviz.core.targets import parse_unit
     from camviz.pipeline.settings import JobSettings, Outputs, RenderOptions
     from camviz.pipeline.tasks import TaskOptions
+    from camviz.pipeline.threads import default_workers
     from camviz.pipeline.volumes import VolumeOptions
 
     shared = explain_settings(args)
@@ -318,7 +321,9 @@ def _settings(args: argparse.Namespace, loaded: LoadedModel) -> JobSettings:
         render=RenderOptions(alpha=args.alpha, colormap=args.colormap),
         outputs=Outputs(overlay=args.overlay, panel=args.panel, heatmap=args.heatmap),
         batch_size=args.batch_size,
-        workers=args.workers,
+        workers=default_workers(model_device(loaded.model))
+        if args.workers is None
+        else args.workers,
         threads=args.threads,
         every=args.every,
         progress=False if args.quiet else None,

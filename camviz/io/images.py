@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -120,11 +121,17 @@ def load_image(path: PathLike, *, max_pixels: int | None = MAX_PIXELS) -> Image.
         ) from None
 
 
+# ``warnings.catch_warnings`` swaps the process's warning filters and handler, and two threads
+# inside it at once leave one thread's in place for good (the folder job reads images on
+# several threads): images are opened and decoded under it one at a time.
+_CATCHING = threading.Lock()
+
+
 @contextlib.contextmanager
 def _warnings_naming(path: Path) -> Iterator[None]:
     """Pillow's warnings about a file (``Corrupt EXIF data``, ``Truncated File Read``) raised
     again with the file's name in front: Pillow's own do not say which file they are about."""
-    with warnings.catch_warnings(record=True) as caught:
+    with _CATCHING, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield
     for warning in caught:

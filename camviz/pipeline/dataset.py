@@ -1,4 +1,5 @@
-"""Explain many images: DataLoader workers decode, the model explains in batches, lazily.
+"""Explain many images: DataLoader workers or helper threads decode, the model explains in
+batches, lazily.
 
 :func:`explain_dataset` is a generator: it holds one batch (and a few waiting images) at a
 time, so a notebook can walk through 100 000 images and keep only what it wants.
@@ -45,10 +46,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from camviz.cams.engine import explain
-from camviz.core.errors import CamvizError, ModelError, NonFiniteError, ZeroMapWarning, first_line
+from camviz.core.errors import CamvizError, ZeroMapWarning, first_line
 from camviz.core.inputs import model_device
 from camviz.core.layers import Layer
-from camviz.core.memory import is_out_of_memory
 from camviz.core.precision import ChannelsLastChoice
 from camviz.core.targets import Target, as_logits
 from camviz.io.files import not_a_regular_file
@@ -60,15 +60,20 @@ from camviz.pipeline.decoding import decode, decoder, device_decodes, encoded_jp
 from camviz.pipeline.inputs import Item, expand
 from camviz.pipeline.packing import batched, packed
 from camviz.pipeline.results import (
+    FAILURES,
     TOP_PREDICTIONS,
     ImageResult,
     Prediction,
+    about_the_arguments,
+    belongs_to_input,
     failed,
+    failure_reason,
     nothing,
     results_of,
 )
 from camviz.pipeline.tasks import Group, TaskOptions, clip_spec
-from camviz.pipeline.threads import yield_to_model
+from camviz.pipeline.threads import takes_turns, yield_to_model
+from camviz.pipeline.writer import Writer
 
 # ImageResult and Prediction, what explain_dataset yields, are made in results.py.
 __all__ = [
@@ -184,6 +189,11 @@ class _Prepared(Dataset):
                 return _Sample(index, encoded=encoded, seconds=time.perf_counter() - started)
         return self.read(index)
 
+    def thread_safe(self, index: int) -> bool:
+        """Whether item ``index`` may be read on any thread: an image file (a video's
+        frames come from one reader, in order; a dataset of one's own may not allow it)."""
+        return isinstance(self.dataset, ItemDataset) and self.dataset.items[index].frame is None
+
     def read(self, index: int) -> _Sample:
         """Item ``index`` decoded on the CPU and preprocessed."""
         started = time.perf_counter()
@@ -239,6 +249,7 @@ def explain_dataset(
     max_pixels: int | None = MAX_PIXELS,
     progress: bool | None = False,
     task_options: TaskOptions | None = None,
+    helpers: Writer | None = None,
     **options: Any,
 ) -> Iterator[ImageResult]:
     """Explain every image of a folder, a list of files, a video or a ``Dataset``, lazily.
@@ -273,6 +284,9 @@ def explain_dataset(
         task_options: For detectors (``min_score``, ``max_objects``) and video models
             (``clip_len``, ``stride``), whose task is told from the model; see
             :mod:`camviz.pipeline.tasks` (``None``: its defaults).
+        helpers: Threads that take turns with the model on a CPU with ``workers=0``
+            (:mod:`camviz.pipeline.threads`): they read the image files between passes, and
+            a pass waits until all their jobs, the caller's too, are done (None: no turns).
         **options: Passed to :func:`camviz.explain` (``output_key=``, ``aug_smooth=``,
             ``precision=``, ``channels_last=``, method options); ``channels_last=None``:
             channels-last images on a CPU unless the model fails on them (then contiguous).
@@ -313,30 +327,71 @@ def explain_dataset(
     explainer = _BatchExplainer(
         network, categories, method, layer, target, options, task, task_options
     )
+    on_device = device_decodes(explainer.device, preprocess)
+    prepared = _Prepared(data, preprocess, keep_images, on_device)
+    reads, before_pass = _reads(prepared, order, batch_size, workers, explainer.device, helpers)
+    return _explained(
+        reads, prepared, explainer, before_pass, known, batch_size, len(order), progress
+    )
+
+
+def _reads(
+    prepared: _Prepared,
+    order: list[int],
+    batch_size: int,
+    workers: int,
+    device: torch.device,
+    helpers: Writer | None,
+) -> tuple[Iterable[list[_Sample]], Callable[[], None]]:
+    """Where the batches of samples come from, and what each pass waits for first: the
+    helpers' reads between passes and their being idle, when they take turns with the
+    model; else a DataLoader, and nothing."""
+    if helpers is not None and takes_turns(device, workers):
+        return _read_between_passes(prepared, order, batch_size, helpers), helpers.wait
     loader = DataLoader(
-        _Prepared(data, preprocess, keep_images, device_decodes(explainer.device, preprocess)),
+        prepared,
         batch_size=batch_size,
         sampler=order,
         num_workers=workers,
         collate_fn=packed,
-        pin_memory=explainer.device.type == "cuda",
+        pin_memory=device.type == "cuda",
         worker_init_fn=yield_to_model,
     )
-    return _explained(loader, explainer, known, batch_size, len(order), progress)
+    return loader, _ready
+
+
+def _ready() -> None:
+    """Nothing to wait for before a pass: the helpers run beside the model."""
+
+
+def _read_between_passes(
+    prepared: _Prepared, order: list[int], batch_size: int, helpers: Writer
+) -> Iterator[list[_Sample]]:
+    """The samples at ``order``, ``batch_size`` at a time, each batch read only when the
+    one before is explained: image files on the helpers' threads, video frames in this
+    thread and in order (one open reader per video serves them)."""
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        files = [index for index in chunk if prepared.thread_safe(index)]
+        read = dict(zip(files, helpers.map(prepared.__getitem__, files), strict=True))
+        yield [read[index] if index in read else prepared[index] for index in chunk]
 
 
 def _explained(
-    loader: DataLoader,
+    reads: Iterable[list[_Sample]],
+    prepared: _Prepared,
     explainer: _BatchExplainer,
+    before_pass: Callable[[], None],
     items: list[Item] | None,
     batch_size: int,
     total: int,
     progress: bool | None,
 ) -> Iterator[ImageResult]:
+    """The results of the batches that ``reads`` gives, each pass after ``before_pass``."""
     from tqdm import tqdm
 
     buckets = _Buckets(batch_size)
-    batches = iter(loader)  # forks the workers before tqdm starts its monitor thread
+    batches = iter(reads)  # forks the workers before tqdm starts its monitor thread
     bar = tqdm(
         total=total,
         unit="img",
@@ -346,24 +401,26 @@ def _explained(
     )
     try:
         for read in batches:
-            samples = _decoded(read, cast(_Prepared, loader.dataset), explainer.device)
-            for sample in samples:
+            for sample in _decoded(read, prepared, explainer.device):
                 if sample.reason is not None:
                     bar.update(1)
                     yield failed(sample, sample.reason, items)
                     continue
-                for result in explainer(buckets.add(sample), items):
+                batch = buckets.add(sample)
+                if batch:
+                    before_pass()
+                for result in explainer(batch, items):
                     bar.update(1)
                     yield result
         for ready in buckets.drain():
+            before_pass()
             for result in explainer(ready, items):
                 bar.update(1)
                 yield result
     finally:
         bar.close()
         del batches  # shuts the workers down, also when the consumer stops early
-        prepared = loader.dataset
-        if isinstance(prepared, _Prepared) and isinstance(prepared.dataset, ItemDataset):
+        if isinstance(prepared.dataset, ItemDataset):
             prepared.dataset.close()
 
 
@@ -467,7 +524,7 @@ class _BatchExplainer:
             explained = self.channels_last.run(
                 lambda channels_last: self._explained(samples, channels_last), belongs_to_input
             )
-        except _FAILURES as error:
+        except FAILURES as error:
             if not belongs_to_input(error):
                 raise  # a bug of camviz keeps its traceback: it is no row of an input
             return self._retried(samples, items, error)
@@ -507,11 +564,11 @@ class _BatchExplainer:
         batch is retried one image at a time, and an image that fails alone gets a row."""
         if len(samples) > 1:
             return [result for sample in samples for result in self([sample], items)]
-        if not self.explained_any and _about_the_arguments(error):
+        if not self.explained_any and about_the_arguments(error):
             # Before any input is explained: a mistake in the method, layer or target, which
             # every input would repeat.
             raise error
-        return [failed(samples[0], _reason(error), items)]
+        return [failed(samples[0], failure_reason(error), items)]
 
     def _explain(self, batch: torch.Tensor, group: Group, channels_last: bool) -> Any:
         """The explanation of one group's samples; ``None`` for one with nothing to explain."""
@@ -537,30 +594,3 @@ class _BatchExplainer:
         if self.task == "detection":
             return torch.zeros(count, 0)
         return as_logits(explanation.output, self.options.get("output_key")).detach().float()
-
-
-# What explaining a batch raises for its inputs (and, told apart by belongs_to_input, bugs).
-_FAILURES = (CamvizError, RuntimeError, MemoryError)
-
-
-def belongs_to_input(error: BaseException) -> bool:
-    """Whether ``error`` belongs to the inputs being explained, so that it becomes their
-    rows: a :class:`~camviz.core.errors.CamvizError` (the model failed on them,
-    :class:`~camviz.core.errors.ModelError`; a NaN; a map that cannot be made) or an
-    out-of-memory error. Anything else is a bug of camviz."""
-    return isinstance(error, CamvizError) or is_out_of_memory(error)
-
-
-def _about_the_arguments(error: BaseException) -> bool:
-    """Whether ``error`` is a mistake in what was asked rather than about the input."""
-    return isinstance(error, CamvizError) and not isinstance(error, (ModelError, NonFiniteError))
-
-
-def _reason(error: BaseException) -> str:
-    """The reason a failed input's row gives for ``error`` (see :func:`belongs_to_input`)."""
-    if isinstance(error, CamvizError):
-        return str(error)
-    return (
-        f"memory ran out on this input ({first_line(error)}); use a smaller batch size, input "
-        "size or memory budget"
-    )

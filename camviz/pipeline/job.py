@@ -118,7 +118,7 @@ from camviz.pipeline.inputs import NAME_MAX, Item, expand
 from camviz.pipeline.naming import VIDEO_SUFFIX, result_files
 from camviz.pipeline.settings import HeatmapFormat, JobSettings, Outputs, RenderOptions
 from camviz.pipeline.tasks import TaskOptions, clip_spec, fit_task, prepared
-from camviz.pipeline.threads import model_threads, running_on
+from camviz.pipeline.threads import model_threads, running_on, takes_turns
 from camviz.pipeline.videos import write_videos
 from camviz.pipeline.volumes import explain_volume, is_volume_item, write_volume_files
 
@@ -338,28 +338,33 @@ class _Job:
         if not indices:
             return
         settings = self.settings
-        results = explain_dataset(
-            self.loaded,
-            ItemDataset(self.items),
-            method=settings.method,
-            layer=settings.layer,
-            target=settings.target,
-            batch_size=settings.batch_size,
-            workers=settings.workers,
-            every=settings.every,
-            indices=indices,
-            keep_images=self.outputs.overlay or self.outputs.panel,
-            progress=settings.progress if self.context.is_main else False,  # one bar, not N
-            task_options=settings.task_options,
-            **options,
-        )
-        threads = model_threads(settings.threads, model_device(self.loaded.model))
+        device = model_device(self.loaded.model)
+        threads = model_threads(settings.threads, device, settings.workers)
+        # Taking turns with the model, the helpers have every core between its passes.
+        turns = takes_turns(device, settings.workers)
+        helpers = max(settings.writers, threads) if turns else settings.writers
         try:
             # The queue holds a few batches' worth of results, each with its photo.
             with (
                 running_on(threads),
-                Writer(threads=settings.writers, queue_size=2 * settings.batch_size) as writer,
+                Writer(threads=helpers, queue_size=2 * settings.batch_size) as writer,
             ):
+                results = explain_dataset(
+                    self.loaded,
+                    ItemDataset(self.items),
+                    method=settings.method,
+                    layer=settings.layer,
+                    target=settings.target,
+                    batch_size=settings.batch_size,
+                    workers=settings.workers,
+                    every=settings.every,
+                    indices=indices,
+                    keep_images=self.outputs.overlay or self.outputs.panel,
+                    progress=settings.progress if self.context.is_main else False,  # one bar
+                    task_options=settings.task_options,
+                    helpers=writer,
+                    **options,
+                )
                 for result in results:
                     if result.ok:
                         self._open()

@@ -1,7 +1,8 @@
 """What :func:`~camviz.pipeline.dataset.explain_dataset` yields for each input, made from an
 explanation: the explained classes (or objects) with their scores and probabilities, the
 best :data:`TOP_PREDICTIONS` classes, the maps; or the reason an input failed or had nothing
-to explain. A sample whose output, explained scores or maps are not finite is a failure.
+to explain. A sample whose output, explained scores or maps are not finite is a failure;
+so is one whose batch raised an error that belongs to its inputs (:func:`belongs_to_input`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any, Literal, Protocol
 import torch
 from PIL import Image
 
+from camviz.core.errors import CamvizError, ModelError, NonFiniteError, first_line
+from camviz.core.memory import is_out_of_memory
 from camviz.core.targets import class_name
 from camviz.pipeline.inputs import Item
 
@@ -268,3 +271,30 @@ def _path(items: list[Item] | None, index: int) -> str | None:
 
 def _frame(items: list[Item] | None, index: int) -> int | None:
     return None if items is None else items[index].frame
+
+
+# What explaining a batch raises for its inputs (and, told apart by belongs_to_input, bugs).
+FAILURES = (CamvizError, RuntimeError, MemoryError)
+
+
+def belongs_to_input(error: BaseException) -> bool:
+    """Whether ``error`` belongs to the inputs being explained, so that it becomes their
+    rows: a :class:`~camviz.core.errors.CamvizError` (the model failed on them,
+    :class:`~camviz.core.errors.ModelError`; a NaN; a map that cannot be made) or an
+    out-of-memory error. Anything else is a bug of camviz."""
+    return isinstance(error, CamvizError) or is_out_of_memory(error)
+
+
+def about_the_arguments(error: BaseException) -> bool:
+    """Whether ``error`` is a mistake in what was asked rather than about the input."""
+    return isinstance(error, CamvizError) and not isinstance(error, (ModelError, NonFiniteError))
+
+
+def failure_reason(error: BaseException) -> str:
+    """The reason a failed input's row gives for ``error`` (see :func:`belongs_to_input`)."""
+    if isinstance(error, CamvizError):
+        return str(error)
+    return (
+        f"memory ran out on this input ({first_line(error)}); use a smaller batch size, input "
+        "size or memory budget"
+    )

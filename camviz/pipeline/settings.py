@@ -75,12 +75,15 @@ class JobSettings(ExplainSettings):
         render: Colour map and blend weight of the overlays.
         outputs: Which files to write per image.
         batch_size: Images per forward pass.
-        workers: DataLoader processes that decode and preprocess images.
+        workers: DataLoader processes that decode and preprocess images beside the model;
+            0: on a CPU, the writer threads read them between the model's passes, taking
+            turns with it (:mod:`camviz.pipeline.threads`), elsewhere this thread does.
         every: For videos, explain every ``every``-th frame.
-        writers: Threads that draw and write the files.
-        threads: Torch threads of the model's passes; ``None``: on a CPU, in a process that
-            keeps its freed memory, one fewer than torch's setting, leaving a core to the
-            workers and writers, else torch's setting (:mod:`camviz.pipeline.threads`).
+        writers: Threads that draw and write the files; taking turns with the model on a
+            CPU, at least as many as the model's threads, to have every core between passes.
+        threads: Torch threads of the model's passes; ``None``: torch's setting, or with
+            ``workers`` on a CPU in a process that keeps its freed memory, one fewer,
+            leaving a core to the workers and writers (:mod:`camviz.pipeline.threads`).
         progress: A progress bar on stderr: ``True``, ``False``, or ``None`` (on a terminal).
         task_options: For detectors (``min_score``, ``max_objects``) and video models
             (``clip_len``, ``stride``).

@@ -1,15 +1,23 @@
-"""How many torch threads the folder job gives the model, beside its loader and writers.
+"""How the folder job shares a CPU's cores between the model and its helpers.
 
 The model's passes run on torch's OpenMP team, whose threads wait for one another at the end
-of every parallel region, while the DataLoader workers and the writer threads run beside it;
-one of them that takes a core from a thread of the team stalls the whole team. So, on a CPU
-in a process that keeps its freed memory (:mod:`camviz.core.allocator`, as the ``camviz``
-command does), the job runs the model on one thread fewer than torch's setting, at least
-one, and leaves that core to the workers and writers. Where freed memory goes back to the
-kernel instead, the model's passes spend much of their time in page faults, which its threads
-take in parallel, and torch's setting stays. ``JobSettings.threads`` (``camviz explain
---threads``) sets the number; torch's setting comes back when the job ends. Why, with the
-figures: ``docs/architecture.md``, *Many images*.
+of every parallel region; a helper thread (a DataLoader worker, a writer) that takes a core
+from a thread of the team stalls the whole team, hundreds of times a pass. So on a CPU the
+job has them **take turns** (:func:`takes_turns`): with no DataLoader workers, the writer
+threads also read the images, and the model's pass starts only once they are idle
+(:meth:`camviz.pipeline.writer.Writer.wait`); the pass has every core, on torch's setting of
+threads, and the helpers have them all between passes. Reading and writing an image cost a
+fraction of its pass and spread over the cores; the job ran at 0.95x of plain inference on
+two cores this way, 0.68x with its helpers beside the model.
+
+With DataLoader workers, which read beside the model in other processes, the job instead
+runs the model on one thread fewer than torch's setting, at least one, in a process that
+keeps its freed memory (:mod:`camviz.core.allocator`, as the ``camviz`` command does), and
+leaves that core to the workers and writers. Where freed memory goes back to the kernel, the
+model's passes spend much of their time in page faults, which its threads take in parallel,
+and torch's setting stays. ``JobSettings.threads`` (``camviz explain --threads``) sets the
+number; torch's setting comes back when the job ends. Why, with the figures:
+``docs/architecture.md``, *Many images*.
 
 The helpers also yield to the model's thread (:func:`yield_to_model`): the DataLoader
 workers and the writer threads run at a niceness :data:`HELPER_NICENESS` above the thread
@@ -32,7 +40,14 @@ import torch
 
 from camviz.core.allocator import freed_memory_retained
 
-__all__ = ["HELPER_NICENESS", "model_threads", "running_on", "yield_to_model"]
+__all__ = [
+    "HELPER_NICENESS",
+    "default_workers",
+    "model_threads",
+    "running_on",
+    "takes_turns",
+    "yield_to_model",
+]
 
 #: How much nicer (lower in priority) the helpers run than the model's thread (Linux).
 HELPER_NICENESS = 5
@@ -40,14 +55,33 @@ HELPER_NICENESS = 5
 _NICEST = 19
 
 
-def model_threads(threads: int | None, device: torch.device | None) -> int:
+def takes_turns(device: torch.device | None, workers: int) -> bool:
+    """Whether the job's helpers take turns with the model's passes on ``device`` (``None``:
+    no parameters, so the CPU), with ``workers`` DataLoader processes: on a CPU without
+    workers (module docstring)."""
+    return (device is None or device.type == "cpu") and workers == 0
+
+
+def default_workers(device: torch.device | None) -> int:
+    """DataLoader processes for the job on ``device`` when not told: none on a CPU, where
+    the writers read between the model's passes (module docstring); elsewhere up to four,
+    which decode while the device computes, leaving a core to this process."""
+    if device is None or device.type == "cpu":
+        return 0
+    return min(4, max(0, (os.cpu_count() or 1) - 1))
+
+
+def model_threads(threads: int | None, device: torch.device | None, workers: int = 0) -> int:
     """Torch threads for the model's passes on ``device`` (``None``: no parameters, so the
-    CPU): ``threads`` if given, else the rule of the module docstring."""
+    CPU) beside ``workers`` DataLoader processes: ``threads`` if given, else the rule of
+    the module docstring."""
     if threads is not None:
         return threads
     current = torch.get_num_threads()
+    if takes_turns(device, workers) or not freed_memory_retained():
+        return current
     on_cpu = device is None or device.type == "cpu"
-    return max(1, current - 1) if on_cpu and freed_memory_retained() else current
+    return max(1, current - 1) if on_cpu else current
 
 
 @contextlib.contextmanager

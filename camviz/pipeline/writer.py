@@ -15,21 +15,31 @@ took 1.5x as long while the tracker's idle writer thread lived (``benchmarks/ben
 threads that start later, so the submitting thread sets that default back once the writers
 have taken theirs. They also run at a lower priority than the thread that started them
 (:func:`camviz.pipeline.threads.yield_to_model`), so that on a busy CPU the model goes first.
+
+On a CPU the folder job has its writers take turns with the model instead of running beside
+it (:mod:`camviz.pipeline.threads`): the same threads also read the next batch's images
+(:meth:`Writer.map`), and each pass waits until they are idle (:meth:`Writer.wait`), so the
+model's team has every core to itself and the helpers have them all between passes.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from functools import partial
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from camviz.pipeline.threads import yield_to_model
 
 _STOP = None  # put on the queue once per thread to end it
+
+Item = TypeVar("Item")
+Value = TypeVar("Value")
 
 
 class Writer:
@@ -62,9 +72,27 @@ class Writer:
             Exception: What an earlier job raised.
         """
         self._raise_error()
+        self._put(partial(self._unless_failed, job, args))
+
+    def map(self, function: Callable[[Item], Value], items: Iterable[Item]) -> list[Value]:
+        """``function`` of each item, run on the threads, in order; blocks until all are
+        done. What a call raises is raised here, not held for :meth:`submit`."""
+        futures: list[Future[Value]] = []
+        for item in items:
+            future: Future[Value] = Future()
+            self._put(partial(_settle, future, function, item))
+            futures.append(future)
+        return [future.result() for future in futures]
+
+    def wait(self) -> None:
+        """Block until every job queued so far has finished (what one raised stays for
+        :meth:`submit` and :meth:`close`)."""
+        self._jobs.join()
+
+    def _put(self, job: Callable[[], None]) -> None:
         if not self._threads:
             self._start()
-        self._jobs.put((job, args))
+        self._jobs.put(job)
 
     def _start(self) -> None:
         # Started on first use, so that a DataLoader forks its workers before any thread
@@ -95,6 +123,7 @@ class Writer:
                 self._jobs.get_nowait()
             except queue.Empty:
                 break
+            self._jobs.task_done()
         self._stop()
 
     def __enter__(self) -> Writer:
@@ -123,15 +152,28 @@ class Writer:
         torch.set_num_threads(1)  # then this thread's own, which that would overwrite
         yield_to_model()
         started.set()
-        while (entry := self._jobs.get()) is not _STOP:
-            job, args = entry
-            if self._error is not None:
-                continue
-            try:
-                job(*args)
-            except BaseException as error:  # handed to the submitting thread
-                self._error = self._error or error
+        while (job := self._jobs.get()) is not _STOP:
+            job()
+            self._jobs.task_done()
+        self._jobs.task_done()
+
+    def _unless_failed(self, job: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        """Run a submitted job, unless an earlier one failed; keep what it raises."""
+        if self._error is not None:
+            return
+        try:
+            job(*args)
+        except BaseException as error:  # handed to the submitting thread
+            self._error = self._error or error
 
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+def _settle(future: Future[Value], function: Callable[[Item], Value], item: Item) -> None:
+    """Give ``future`` what ``function(item)`` returns or raises."""
+    try:
+        future.set_result(function(item))
+    except BaseException as error:  # raised again in the thread that waits for it
+        future.set_exception(error)
