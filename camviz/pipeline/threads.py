@@ -7,8 +7,8 @@ job has them **take turns** (:func:`takes_turns`): with no DataLoader workers, t
 threads also read the images, and the model's pass starts only once they are idle
 (:meth:`camviz.pipeline.writer.Writer.wait`); the pass has every core, on torch's setting of
 threads, and the helpers have them all between passes. Reading and writing an image cost a
-fraction of its pass and spread over the cores; the job ran at 0.95x of plain inference on
-two cores this way, 0.68x with its helpers beside the model.
+fraction of its pass and spread over the cores; on two cores the job ran at 0.96x of plain
+inference this way, 0.73x with its helpers beside the model (README, *Many images, issue 26*).
 
 With DataLoader workers, which read beside the model in other processes, the job instead
 runs the model on one thread fewer than torch's setting, at least one, in a process that
