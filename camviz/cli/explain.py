@@ -189,8 +189,8 @@ def _add_batches(parser: argparse.ArgumentParser) -> None:
         type=worker_count,
         default=None,
         metavar="N",
-        help="processes that decode images (0: the writer threads decode them between the "
-        "model's passes; default: 0 on a CPU, else up to 4)",
+        help="processes that decode images beside the model (default: 0 on a CPU, where the "
+        "writer threads decode them between the model's passes; else up to 4)",
     )
     parser.add_argument(
         "--threads",

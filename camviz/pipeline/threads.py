@@ -59,14 +59,14 @@ def takes_turns(device: torch.device | None, workers: int) -> bool:
     """Whether the job's helpers take turns with the model's passes on ``device`` (``None``:
     no parameters, so the CPU), with ``workers`` DataLoader processes: on a CPU without
     workers (module docstring)."""
-    return (device is None or device.type == "cpu") and workers == 0
+    return _on_cpu(device) and workers == 0
 
 
 def default_workers(device: torch.device | None) -> int:
     """DataLoader processes for the job on ``device`` when not told: none on a CPU, where
     the writers read between the model's passes (module docstring); elsewhere up to four,
     which decode while the device computes, leaving a core to this process."""
-    if device is None or device.type == "cpu":
+    if _on_cpu(device):
         return 0
     return min(4, max(0, (os.cpu_count() or 1) - 1))
 
@@ -78,10 +78,14 @@ def model_threads(threads: int | None, device: torch.device | None, workers: int
     if threads is not None:
         return threads
     current = torch.get_num_threads()
-    if takes_turns(device, workers) or not freed_memory_retained():
+    if takes_turns(device, workers) or not freed_memory_retained() or not _on_cpu(device):
         return current
-    on_cpu = device is None or device.type == "cpu"
-    return max(1, current - 1) if on_cpu else current
+    return max(1, current - 1)
+
+
+def _on_cpu(device: torch.device | None) -> bool:
+    """Whether the model runs on the CPU (``None``: it has no parameters, so it does)."""
+    return device is None or device.type == "cpu"
 
 
 @contextlib.contextmanager

@@ -43,7 +43,8 @@ Value = TypeVar("Value")
 
 
 class Writer:
-    """A small pool of threads that run write jobs from a bounded queue.
+    """A small pool of threads that run write jobs (and, taking turns with the model, the
+    reads of :meth:`map`) from a bounded queue.
 
     Use it as a context manager: leaving the block normally waits for every job; leaving
     it with an exception drops the jobs not yet started (each file is written atomically,
