@@ -6,6 +6,7 @@ alone, so a mix-up between images, or a heatmap laid on the wrong photo, would s
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing
 import os
@@ -338,6 +339,8 @@ def run_killed_while_writing_the_third_overlay(argv: list[str]) -> None:
     import camviz.pipeline.job
 
     torch.set_num_threads(1)  # the parent's OpenMP pool does not survive the fork
+    # A hang ends the child with every thread's stack on stderr, before the parent gives up.
+    faulthandler.dump_traceback_later(240, exit=True)
 
     real_save = camviz.pipeline.job._save_png
     saved = 0

@@ -128,6 +128,19 @@ def test_the_workers_and_writers_yield_to_the_models_thread(synthetic_classifier
     assert seen == [lower] * 4 and niceness() == mine
 
 
+def test_a_job_leaves_no_thread_behind_its_progress_bar_shown_or_not(
+    synthetic_classifier, make_photos, tmp_path, capsys
+):
+    # tqdm's monitor thread outlives its bars and holds tqdm's lock at times, which a later
+    # fork copies held (camviz.io.progress): a job must end with the threads it found.
+    photos = make_photos(tmp_path / "photos", {f"{n}.png": (32, 32) for n in range(3)})
+    before = set(threading.enumerate())
+    for shown in (True, False, None):
+        job.explain_files(photos, tmp_path / f"out-{shown}", synthetic_classifier, progress=shown)
+        assert set(threading.enumerate()) <= before, f"progress={shown}"
+    assert "3/3" in capsys.readouterr().err  # the bar that was shown counted every image
+
+
 def test_the_writers_read_and_write_between_the_passes_never_during_one(
     synthetic_classifier, make_photos, tmp_path, monkeypatch
 ):

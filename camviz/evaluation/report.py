@@ -63,6 +63,7 @@ from camviz.io.atomic import atomic_write
 from camviz.io.csvfiles import write_csv
 from camviz.io.images import load_image
 from camviz.io.models import LoadedModel
+from camviz.io.progress import progress_bar
 from camviz.io.render import overlay
 
 REPORT = "report.html"
@@ -324,15 +325,7 @@ def image_labels(paths: Sequence[str | Path]) -> list[str]:
 
 def _metrics_bar(images: int, shown: bool | None) -> Any:
     """A tqdm bar over the three metric steps (deletion, insertion, confidence) per image."""
-    from tqdm import tqdm
-
-    return tqdm(
-        total=3 * images,
-        unit="step",
-        file=sys.stderr,
-        disable=None if shown is None else not shown,
-        leave=False,
-    )
+    return progress_bar(3 * images, "step", shown, leave=False)
 
 
 def write_report(comparison: Comparison, out_dir: str | Path) -> dict[str, Path]:

@@ -32,7 +32,6 @@ no explained entry and a ``reason``.
 
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
@@ -54,6 +53,7 @@ from camviz.core.targets import Target, as_logits
 from camviz.io.files import not_a_regular_file
 from camviz.io.images import MAX_PIXELS, PathLike, Preprocess, load_image
 from camviz.io.models import LoadedModel, Task, task_of
+from camviz.io.progress import progress_bar
 from camviz.io.video import FrameReader
 from camviz.pipeline import choosing
 from camviz.pipeline.decoding import decode, decoder, device_decodes, encoded_jpeg
@@ -388,17 +388,9 @@ def _explained(
     progress: bool | None,
 ) -> Iterator[ImageResult]:
     """The results of the batches that ``reads`` gives, each pass after ``before_pass``."""
-    from tqdm import tqdm
-
     buckets = _Buckets(batch_size)
-    batches = iter(reads)  # forks the workers before tqdm starts its monitor thread
-    bar = tqdm(
-        total=total,
-        unit="img",
-        file=sys.stderr,
-        disable=None if progress is None else not progress,
-        smoothing=0.1,
-    )
+    batches = iter(reads)  # a name to delete at the end: that shuts a DataLoader's workers
+    bar = progress_bar(total, "img", progress)
     try:
         for read in batches:
             for sample in _decoded(read, prepared, explainer.device):

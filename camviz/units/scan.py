@@ -15,7 +15,6 @@ photo's aspect ratio, so that locations map back onto the photo.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -33,6 +32,7 @@ from camviz.core.precision import ChannelsLastChoice, Precision, model_precision
 from camviz.core.targets.unit import Unit, as_units
 from camviz.io.images import PathLike, Preprocess
 from camviz.io.models import LoadedModel
+from camviz.io.progress import progress_bar
 from camviz.pipeline.dataset import ItemDataset
 from camviz.pipeline.inputs import expand
 from camviz.pipeline.threads import yield_to_model
@@ -253,8 +253,6 @@ def scan_batches(
 ) -> Iterator[tuple[list[int], torch.Tensor | None, str | None]]:
     """``(positions, batch, None)`` for batches of equal-shaped preprocessed images on
     ``device``, and ``([position], None, reason)`` for an image that cannot be read."""
-    from tqdm import tqdm
-
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise CamvizError(f"batch_size must be a positive integer, not {batch_size!r}")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
@@ -268,8 +266,7 @@ def scan_batches(
         worker_init_fn=yield_to_model,
     )
     waiting: dict[tuple[int, ...], list[tuple[int, torch.Tensor]]] = {}
-    disable = None if progress is None else not progress
-    bar = tqdm(total=len(order), unit="img", file=sys.stderr, disable=disable)
+    bar = progress_bar(len(order), "img", progress)
     try:
         for read in loader:
             bar.update(len(read))
